@@ -1,0 +1,180 @@
+"""HSTU block benchmark: incremental (KV cache) vs full recompute at the same shapes.
+
+    python benchmark/hstu_block_benchmark.py [--preset kuairand-1k] [--output hstu_block.json]
+
+For each history length L and batch size B, every user has L history tokens of which
+all but the last --new_tokens are already in the paged KV cache, and --candidates
+candidates to score. Timed, in the same run:
+  * cached: prepare_kv_cache -> every layer (append new K/V, gather window, attend) -> rollback
+  * full:   every layer over all L history tokens + candidates, nothing cached
+plus a plain torch.matmul of the shape of the cached path's largest GEMM, so the cached
+path's achieved FLOP rate is reported as a fraction of what this machine's matmul reaches.
+Token embeddings are not part of the block and are not timed (the embedding table is
+shrunk so the model fits anywhere).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvcache import KVCacheConfig, KVCacheManager, paged_kvcache_ops
+from model.config import HSTUConfig, preset
+from model.hstu import AttentionPlan
+from model.kv_store import PagedKV, WindowKV
+from model.recommender import HSTURecommender
+
+
+@dataclass(frozen=True)
+class Row:
+    history: int
+    batch: int
+    cached_ms: float
+    full_ms: float
+    speedup: float
+    flop_ratio: float  # full-path FLOPs / cached-path FLOPs
+    cached_gflops: float  # achieved by the cached path
+    matmul_gflops: float  # plain torch.matmul of the cached path's projection shape
+    cached_vs_matmul: float
+
+
+def layer_flops(cfg: HSTUConfig, new: int, cached: int, candidates: int, history_outputs: bool) -> float:
+    """Multiply-adds x 2 of one HSTU layer for one user (causal blocks counted as computed)."""
+    d, a = cfg.hidden_dim, cfg.attention_dim
+    tokens = new + candidates
+    projections = 2 * tokens * d * 4 * a
+    window = cached + new
+    # history queries: query i attends keys [0, cached + i] -> sum over i of (cached + i + 1)
+    hist_keys = new * cached + new * (new + 1) / 2 if history_outputs else 0
+    attention = 2 * 2 * a * (hist_keys + candidates * (window + 1))  # QK^T and AV
+    output = 2 * (tokens if history_outputs else candidates) * a * d
+    return projections + attention + output
+
+
+def model_flops(cfg: HSTUConfig, new: int, cached: int, candidates: int) -> float:
+    return sum(layer_flops(cfg, new, cached, candidates, i < cfg.num_layers - 1) for i in range(cfg.num_layers))
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of `repeats` runs after one warm-up run."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, candidates: int,
+                repeats: int, device: torch.device) -> Row:
+    cfg = model.config
+    cached = history - new
+    dtype = model.dtype
+    x_new = torch.randn(batch * new, cfg.hidden_dim, device=device, dtype=dtype)
+    x_full = torch.randn(batch * history, cfg.hidden_dim, device=device, dtype=dtype)
+    x_cand = torch.randn(batch * candidates, cfg.hidden_dim, device=device, dtype=dtype)
+    pages_per_user = math.ceil(history / cfg.page_size) + 1
+    manager = KVCacheManager(KVCacheConfig(
+        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
+        num_pages=batch * pages_per_user, dtype=dtype, device=device, host_capacity_bytes=1 << 20,
+    ))
+    users = list(range(batch))
+    # Fill the cache with the users' first `cached` tokens.
+    prefill = manager.prepare_kv_cache(users, [0] * batch, [cached] * batch)
+    for layer in range(cfg.num_layers):
+        kv = torch.randn(batch * cached, cfg.num_heads, cfg.head_dim, device=device, dtype=dtype)
+        paged_kvcache_ops.append_kvcache(manager.k_cache(layer), manager.v_cache(layer), kv, kv, prefill.new_token_slots)
+    manager.commit(prefill)
+
+    new_lengths = torch.full((batch,), new)
+    cand_lengths = torch.full((batch,), candidates)
+
+    def run_cached():
+        meta = manager.prepare_kv_cache(users, [cached] * batch, [new] * batch)
+        plan = AttentionPlan.from_lengths(new_lengths, cand_lengths, meta.total_lengths, meta.cached_lengths)
+        model._run_layers(x_new, x_cand, plan, PagedKV(manager, meta))
+        manager.rollback(meta)
+        _sync(device)
+
+    full_lengths = torch.full((batch,), history)
+    full_plan: AttentionPlan = AttentionPlan.from_lengths(full_lengths, cand_lengths, full_lengths, None)
+
+    def run_full():
+        model._run_layers(x_full, x_cand, full_plan, WindowKV())
+        _sync(device)
+
+    a = torch.randn(batch * (new + candidates), cfg.hidden_dim, device=device, dtype=dtype)
+    b = torch.randn(cfg.hidden_dim, 4 * cfg.attention_dim, device=device, dtype=dtype)
+
+    def run_matmul():
+        torch.matmul(a, b)
+        _sync(device)
+
+    with torch.inference_mode():
+        t_cached = timed(run_cached, repeats)
+        t_full = timed(run_full, repeats)
+        t_matmul = timed(run_matmul, repeats * 5)
+    f_cached = batch * model_flops(cfg, new, cached, candidates)
+    f_full = batch * model_flops(cfg, history, 0, candidates)
+    cached_gflops = f_cached / t_cached / 1e9
+    matmul_gflops = 2 * a.shape[0] * a.shape[1] * b.shape[1] / t_matmul / 1e9
+    return Row(history, batch, t_cached * 1e3, t_full * 1e3, t_full / t_cached, f_full / f_cached,
+               cached_gflops, matmul_gflops, cached_gflops / matmul_gflops)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="kuairand-1k")
+    p.add_argument("--histories", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--candidates", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--output", default="hstu_block_benchmark.json")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    cfg = preset(args.preset, video_hash_size=1024)  # embeddings are not part of the block
+    if max(args.histories) > cfg.max_seq_len:
+        p.error(f"history {max(args.histories)} exceeds the preset's max_seq_len {cfg.max_seq_len}")
+    torch.manual_seed(0)
+    model = HSTURecommender(cfg, device=device).to(dtype).eval()
+    shapes = [(h, b) for b in args.batches for h in args.histories]
+    rows = []
+    for history, batch in tqdm(shapes, desc="shapes", file=sys.stderr):
+        rows.append(bench_shape(model, history, batch, args.new_tokens, args.candidates, args.repeats, device))
+
+    header = f"{'history':>7} {'batch':>5} {'cached ms':>10} {'full ms':>10} {'speedup':>8} {'FLOP ratio':>10} " \
+             f"{'cached GFLOP/s':>14} {'matmul GFLOP/s':>14} {'cached/matmul':>13}"
+    print(f"preset {args.preset}, {args.dtype} on {device}, {torch.get_num_threads()} threads; "
+          f"{args.new_tokens} new tokens, {args.candidates} candidates per user")
+    print(header)
+    for r in rows:
+        print(f"{r.history:>7} {r.batch:>5} {r.cached_ms:>10.1f} {r.full_ms:>10.1f} {r.speedup:>7.2f}x "
+              f"{r.flop_ratio:>9.2f}x {r.cached_gflops:>14.1f} {r.matmul_gflops:>14.1f} {r.cached_vs_matmul:>12.0%}")
+    result = {"preset": args.preset, "dtype": args.dtype, "device": str(device), "threads": torch.get_num_threads(),
+              "new_tokens": args.new_tokens, "candidates": args.candidates, "rows": [asdict(r) for r in rows]}
+    Path(args.output).write_text(json.dumps(result, indent=2))
+    print(f"results: {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Replay KuaiRand-1K visits in time order with the KV cache and with full recompute.
+
+    python benchmark/inference_end2end_example.py --data_dir artifacts/processed \
+        --checkpoint artifacts/checkpoint --output artifacts/end2end.json
+
+Both passes serve the same visits (from --from_date on) through model.InferenceSession.
+The cached pass fetches only the events each user's cache lacks, offloads users to the
+host tier between visits and, with a device pool smaller than the working set, evicts
+and reloads them. The logits of the two passes are compared request by request; the
+script exits non-zero if they differ beyond --tolerance. Results go to stdout, to the
+JSON file and to a PNG (latency against history length).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.dataset import InferenceDataset
+from data.schema import TASKS
+from kvcache import KVCacheConfig, KVCacheManager
+from model.checkpoint import CheckpointError, load_checkpoint
+from model.inference import InferenceSession
+from model.replay import ReplayPass, compare, replay
+from model.train import DEFAULT_SPLIT_DATE, config_for_dataset, date_to_ms
+from model.recommender import HSTURecommender
+
+log = logging.getLogger("end2end")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data_dir", required=True, help="preprocessor_inference.py output directory")
+    p.add_argument("--checkpoint", help="model.train output directory (omit for a random-init model)")
+    p.add_argument("--preset", default="demo", help="model preset when no checkpoint is given")
+    p.add_argument("--from_date", type=int, default=DEFAULT_SPLIT_DATE, help="YYYYMMDD: replay visits from this day")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--max_requests", type=int, default=None)
+    p.add_argument("--kv_pages", type=int, default=None,
+                   help="device pages (default: a quarter of the replayed users' working set)")
+    p.add_argument("--host_capacity", type=int, default=None,
+                   help="host tier bytes (default: room for every replayed user)")
+    p.add_argument("--page_size", type=int, default=None, help="tokens per page (default: the model's)")
+    p.add_argument("--async_offload", action="store_true")
+    p.add_argument("--no_warmup", action="store_true",
+                   help="start the cached pass cold instead of serving each user's last earlier visit first")
+    p.add_argument("--no_compare", action="store_true", help="skip the full-recompute pass")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--tolerance", type=float, default=None, help="max |logit diff| (default 1e-4 fp32, 0.1 bf16)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--output", default="end2end.json")
+    p.add_argument("--plot", default=None, help="PNG path (default: beside --output)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
+
+
+def load_model(args: argparse.Namespace, dataset: InferenceDataset) -> HSTURecommender:
+    expected_features = tuple(dataset.user_feature_cardinalities)
+    if args.checkpoint is None:
+        log.warning("WARNING: no --checkpoint given: serving a RANDOMLY INITIALISED model "
+                    "(parity and speed are meaningful, AUCs are not)")
+        torch.manual_seed(args.seed)
+        model = HSTURecommender(config_for_dataset(args.preset, dataset), device=args.device)
+    else:
+        model = load_checkpoint(args.checkpoint, device=args.device).model
+        if model.config.use_contextual_prefix and model.config.user_feature_cardinalities != expected_features:
+            raise CheckpointError(
+                f"Checkpoint {args.checkpoint} was trained for user-feature vocabularies "
+                f"{list(model.config.user_feature_cardinalities)}, the data in {args.data_dir} has "
+                f"{list(expected_features)}: retrain on this data"
+            )
+    return model.to(DTYPES[args.dtype]).eval()
+
+
+def working_set_pages(model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray, page_size: int) -> int:
+    """Pages needed to keep every replayed user's largest window on the device at once."""
+    ends = dataset.requests.end[indices]
+    users = dataset.requests.user_id[indices]
+    tokens = model.layout.window_tokens(ends)
+    largest = {}
+    for u, t in zip(users.tolist(), tokens.tolist()):
+        largest[u] = max(largest.get(u, 0), t)
+    return sum(math.ceil(t / page_size) for t in largest.values())
+
+
+def warmup_batches(dataset: InferenceDataset, indices: np.ndarray, from_ms: int, batch_size: int) -> list[np.ndarray]:
+    """Each replayed user's last visit before the replay window: serving it leaves the cache
+    exactly as if every earlier visit had been served (cache contents depend only on the window)."""
+    req = dataset.requests
+    users = np.unique(req.user_id[indices])
+    earlier = dataset.request_indices(until_time_ms=from_ms)
+    earlier = earlier[np.isin(req.user_id[earlier], users)]
+    _, last_pos = np.unique(req.user_id[earlier][::-1], return_index=True)
+    last = np.sort(earlier[::-1][last_pos])
+    return list(dataset.batches(last, batch_size))
+
+
+def make_cache(args: argparse.Namespace, model: HSTURecommender, pages_needed: int, page_size: int) -> KVCacheManager:
+    cfg = model.config
+    num_pages = args.kv_pages or max(1, pages_needed // 4)
+    bytes_per_page = 2 * cfg.num_layers * page_size * cfg.num_heads * cfg.head_dim * DTYPES[args.dtype].itemsize
+    host_capacity = args.host_capacity or int(pages_needed * bytes_per_page * 1.25) + bytes_per_page
+    return KVCacheManager(KVCacheConfig(
+        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=page_size,
+        num_pages=num_pages, dtype=DTYPES[args.dtype], device=args.device, host_capacity_bytes=host_capacity,
+        async_offload=args.async_offload,
+    ))
+
+
+def plot(passes: list[ReplayPass], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for p, color in zip(passes, ("tab:blue", "tab:red")):
+        ax.scatter(p.history_lengths, p.request_latency_ms, s=6, alpha=0.5, color=color,
+                   label=f"{p.name} (p50 {np.median(p.request_latency_ms):.1f} ms)")
+    ax.set_xlabel("history length at the visit (events)")
+    ax.set_ylabel("batch latency per request (ms)")
+    ax.set_yscale("log")
+    ax.set_title("Visit latency vs history length: KV cache vs full recompute")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
+    # Everything that can be refused is checked before the long work starts.
+    try:
+        dataset = InferenceDataset(args.data_dir)
+        model = load_model(args, dataset)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from_ms = date_to_ms(args.from_date)
+    indices = dataset.request_indices(from_time_ms=from_ms, max_requests=args.max_requests)
+    if len(indices) == 0:
+        print(f"error: no visits in {args.data_dir} on or after {args.from_date}", file=sys.stderr)
+        return 2
+    page_size = args.page_size or model.config.page_size
+    pages_needed = working_set_pages(model, dataset, indices, page_size)
+    cache = make_cache(args, model, pages_needed, page_size)
+    batches = list(dataset.batches(indices, args.batch_size))
+    log.info("replaying %d visits of %d users in %d batches; device pool %d pages for a working set of %d pages",
+             len(indices), len(np.unique(dataset.requests.user_id[indices])), len(batches),
+             cache.config.num_pages, pages_needed)
+
+    cached_session = InferenceSession(model, dataset, kv_cache=cache)
+    warmup = [] if args.no_warmup else warmup_batches(dataset, indices, from_ms, args.batch_size)
+    if warmup:
+        replay(cached_session, warmup, "warm-up", progress=not args.quiet)
+        cache.wait()
+    cached = replay(cached_session, batches, "kv cache", progress=not args.quiet)
+    cache.wait()
+    passes = [cached]
+    full = None
+    if not args.no_compare:
+        full = replay(InferenceSession(model, dataset), batches, "full recompute", progress=not args.quiet)
+        passes.append(full)
+
+    task_names = TASKS
+    report = {
+        "num_requests": cached.num_requests,
+        "num_users": int(len(np.unique(dataset.requests.user_id[indices]))),
+        "warmup_requests": int(sum(len(b) for b in warmup)),
+        "batch_size": args.batch_size,
+        "device": str(model.device),
+        "dtype": args.dtype,
+        "model": model.config.to_dict(),
+        "checkpoint": args.checkpoint,
+        "seconds": {p.name: p.seconds for p in passes},
+        "throughput_rps": {p.name: p.num_requests / p.seconds if p.seconds else None for p in passes},
+        "latency_ms": {p.name: p.latency_percentiles() for p in passes},
+        "tokens_computed": {p.name: p.tokens_computed for p in passes},
+        "tokens_reused": {p.name: p.tokens_reused for p in passes},
+        "auc": {p.name: p.auc(task_names) for p in passes},
+        "cache": asdict(cache.stats()),
+        "cache_config": {"num_pages": cache.config.num_pages, "page_size": page_size,
+                         "working_set_pages": pages_needed, "host_capacity_bytes": cache.config.host_capacity_bytes},
+    }
+    ok = True
+    if full is not None:
+        parity = compare(cached, full)
+        ok = parity.within(tolerance)
+        report.update({
+            "speedup": full.seconds / cached.seconds,
+            "max_abs_logit_diff": parity.max_abs_diff,
+            "logit_scale": parity.logit_scale,
+            "worst_request_id": parity.worst_request_id,
+            "tolerance": tolerance,
+            "parity": "pass" if ok else "FAIL",
+        })
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    plot_path = Path(args.plot) if args.plot else output.with_suffix(".png")
+    plot(passes, plot_path)
+    report["plot"] = str(plot_path)
+    output.write_text(json.dumps(report, indent=2, default=_json_default))
+    print_summary(report, passes, task_names)
+    print(f"\nresults: {output}\nplot:    {plot_path}")
+    if not ok:
+        print(f"error: cached and full-recompute logits differ by {report['max_abs_logit_diff']:.3g} "
+              f"(> {tolerance:g}) at request {report['worst_request_id']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def print_summary(report: dict, passes: list[ReplayPass], task_names: tuple[str, ...]) -> None:
+    rows = [("", *[p.name for p in passes])]
+    rows.append(("requests", *[str(p.num_requests) for p in passes]))
+    rows.append(("total time (s)", *[f"{p.seconds:.2f}" for p in passes]))
+    rows.append(("throughput (req/s)", *[f"{p.num_requests / p.seconds:.1f}" for p in passes]))
+    for q in ("p50", "p90", "p99"):
+        rows.append((f"latency {q} (ms)", *[f"{report['latency_ms'][p.name][q]:.1f}" for p in passes]))
+    rows.append(("tokens computed", *[f"{p.tokens_computed:,}" for p in passes]))
+    rows.append(("tokens reused", *[f"{p.tokens_reused:,}" for p in passes]))
+    for task in task_names:
+        rows.append((f"AUC {task}", *[_fmt_auc(report["auc"][p.name][task]) for p in passes]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))))
+    if "speedup" in report:
+        print(f"\nspeedup (full / cached): {report['speedup']:.2f}x   max |logit diff|: "
+              f"{report['max_abs_logit_diff']:.3g} (scale {report['logit_scale']:.3g}, tolerance "
+              f"{report['tolerance']:g}) -> parity {report['parity']}")
+    c = report["cache"]
+    print("cache: " + ", ".join(f"{k}={v}" for k, v in c.items()))
+
+
+def _fmt_auc(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    raise TypeError(f"not JSON serialisable: {type(value)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

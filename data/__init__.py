@@ -1,0 +1,46 @@
+"""KuaiRand-1K data: raw schema and loader, synthetic generator, preprocessing, dataset.
+
+Exports resolve lazily (PEP 562): the preprocessing CLI and the generator need only
+numpy/pyarrow, so `import data.preprocess` does not pay for importing torch; the
+torch-facing names (VisitBatch, InferenceDataset, ...) import it on first use.
+The entry points are functions in their own modules (`data.preprocess.preprocess`,
+`data.synthetic.generate`): a package attribute named like a submodule gets shadowed.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "VisitBatch": "data.batch",
+    "offsets_from_lengths": "data.jagged",
+    "InferenceDataset": "data.dataset",
+    "Manifest": "data.manifest",
+    "PreprocessParams": "data.manifest",
+    "RequestTable": "data.requests",
+    "RawDataError": "data.raw",
+    "SyntheticConfig": "data.synthetic",
+}
+
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from data.batch import VisitBatch
+    from data.dataset import InferenceDataset
+    from data.jagged import offsets_from_lengths
+    from data.manifest import Manifest, PreprocessParams
+    from data.raw import RawDataError
+    from data.requests import RequestTable
+    from data.synthetic import SyntheticConfig
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

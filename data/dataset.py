@@ -1,0 +1,202 @@
+"""InferenceDataset: the preprocessed output, served as time-ordered batches of visits.
+
+Sequences live in memory as flat per-event arrays plus per-user offsets (11.7M events
+are ~300 MB), so serving any event range of any user is two array slices. The caller
+(the inference loop) decides which part of a visit's history it still has to compute
+-- everything before `starts` is cached -- and `make_batch` carries exactly that.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from data import schema
+from data.batch import VisitBatch
+from data.jagged import offsets_from_lengths
+from data.manifest import Manifest
+from data.requests import RequestTable
+
+
+class InferenceDataset:
+    def __init__(self, root: Path | str):
+        """Load `root` (an output of preprocessor_inference.py). Raises FileNotFoundError
+        or ValueError naming the file and the problem when it is missing or inconsistent."""
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"{self.root}: preprocessed output directory not found")
+        self.manifest = Manifest.read(self.root / schema.MANIFEST_FILE)
+        sequences = pq.read_table(self._file(schema.SEQUENCES_FILE))
+        requests = pq.read_table(self._file(schema.REQUESTS_FILE))
+        self._check_columns(schema.SEQUENCES_FILE, sequences, ("user_id", *schema.SEQUENCE_LIST_COLUMNS, *self.manifest.user_feature_names))
+        self._check_columns(schema.REQUESTS_FILE, requests, schema.REQUEST_COLUMNS)
+
+        self.user_ids = sequences.column("user_id").to_numpy()  # [U] ascending
+        flat = {name: _flat_list(sequences.column(name)) for name in schema.SEQUENCE_LIST_COLUMNS}
+        self._offsets = flat["video_ids"][1]  # [U + 1]
+        if any(not np.array_equal(offsets, self._offsets) for _, offsets in flat.values()):
+            raise ValueError(f"{self.root / schema.SEQUENCES_FILE}: list columns have different lengths")
+        self._video_ids = flat["video_ids"][0]  # [E]
+        self._action_weights = flat["action_weights"][0]  # [E]
+        self._timestamps = flat["timestamps"][0]  # [E]
+        self._user_features = np.stack(  # [U, F]
+            [sequences.column(n).to_numpy() for n in self.manifest.user_feature_names], axis=1
+        ).astype(np.int64).reshape(len(self.user_ids), -1)
+
+        self.requests = RequestTable.from_arrow(requests)
+        self._request_user_row = np.searchsorted(self.user_ids, self.requests.user_id)  # [R]
+        self._validate()
+
+    # ------------------------------------------------------------ sizes
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_user_features(self) -> int:
+        return len(self.manifest.user_features)
+
+    @property
+    def user_feature_cardinalities(self) -> tuple[int, ...]:
+        return self.manifest.user_feature_cardinalities
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.manifest.tasks)
+
+    def history_length(self, user_id: int) -> int:
+        """Number of events of `user_id` (KeyError for a user without events)."""
+        row = int(np.searchsorted(self.user_ids, user_id))
+        if row >= len(self.user_ids) or self.user_ids[row] != user_id:
+            raise KeyError(f"user {user_id} has no events in {self.root}")
+        return int(self._offsets[row + 1] - self._offsets[row])
+
+    # ------------------------------------------------------------ replay order
+    def request_indices(
+        self, from_time_ms: int | None = None, until_time_ms: int | None = None, max_requests: int | None = None
+    ) -> np.ndarray:
+        """[n] indices of the requests with from_time_ms <= time_ms < until_time_ms, in time
+        order, at most `max_requests` (the earliest)."""
+        times = self.requests.time_ms
+        lo = 0 if from_time_ms is None else int(np.searchsorted(times, from_time_ms, side="left"))
+        hi = len(times) if until_time_ms is None else int(np.searchsorted(times, until_time_ms, side="left"))
+        hi = max(lo, hi) if max_requests is None else min(max(lo, hi), lo + max_requests)
+        return np.arange(lo, hi, dtype=np.int64)
+
+    def batches(self, indices: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
+        """Cut `indices` into consecutive batches without reordering them: a batch ends when
+        it is full or when the next request's user is already in it (a user's visits must
+        run one after the other, each on the previous one's cache)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        users = self.requests.user_id
+        batch: list[int] = []
+        seen: set[int] = set()
+        for index in np.asarray(indices, dtype=np.int64).tolist():
+            user = int(users[index])
+            if len(batch) == batch_size or user in seen:
+                yield np.asarray(batch, dtype=np.int64)
+                batch, seen = [], set()
+            batch.append(index)
+            seen.add(user)
+        if batch:
+            yield np.asarray(batch, dtype=np.int64)
+
+    # ------------------------------------------------------------ batches
+    def make_batch(self, indices: np.ndarray, starts: np.ndarray, window_starts: np.ndarray) -> VisitBatch:
+        """The VisitBatch for requests `indices` carrying events [starts[i], end_i) of each
+        user, with window_starts[i] <= starts[i] <= end_i. Candidates are the request's
+        events [end_i, end_i + num_candidates_i); labels are their action bits."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)  # [B]
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)  # [B]
+        window_starts = np.asarray(window_starts, dtype=np.int64).reshape(-1)  # [B]
+        if not len(idx) == len(starts) == len(window_starts):
+            raise ValueError(f"indices, starts and window_starts differ in length: {len(idx)}, {len(starts)}, {len(window_starts)}")
+        if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"request index out of range [0, {len(self)}): {idx[(idx < 0) | (idx >= len(self))][0]}")
+        req = self.requests
+        user, end, num_candidates = req.user_id[idx], req.end[idx], req.num_candidates[idx]
+        if len(np.unique(user)) != len(user):
+            raise ValueError("a batch holds each user at most once (use InferenceDataset.batches)")
+        bad = np.flatnonzero((window_starts < 0) | (window_starts > starts) | (starts > end))
+        if len(bad):
+            i = bad[0]
+            raise ValueError(
+                f"request {int(req.request_id[idx[i]])} (user {int(user[i])}): invalid range "
+                f"window_start={int(window_starts[i])}, start={int(starts[i])}, end={int(end[i])}; "
+                "need 0 <= window_start <= start <= end"
+            )
+        row = self._request_user_row[idx]  # [B]
+        base = self._offsets[row]  # [B] flat index of each user's event 0
+        history_lengths = end - starts  # [B]
+        events = _range_indices(base + starts, history_lengths)  # [N]
+        candidates = _range_indices(base + end, num_candidates)  # [M]
+        # A request always has >= 1 event before `end`, so event max(start - 1, 0) exists.
+        prev_timestamps = self._timestamps[base + np.maximum(starts - 1, 0)]  # [B]
+
+        t = torch.from_numpy
+        return VisitBatch(
+            request_ids=t(req.request_id[idx]),
+            user_ids=t(user),
+            request_times_ms=t(req.time_ms[idx]),
+            window_starts=t(window_starts.copy()),
+            starts=t(starts.copy()),
+            history_lengths=t(history_lengths),
+            prev_timestamps_ms=t(prev_timestamps),
+            user_features=t(self._user_features[row]),  # [B, F]
+            video_ids=t(self._video_ids[events]),
+            action_weights=t(self._action_weights[events]),
+            timestamps_ms=t(self._timestamps[events]),
+            candidate_lengths=t(num_candidates),
+            candidate_video_ids=t(self._video_ids[candidates]),
+            labels=t(schema.action_labels(self._action_weights[candidates])),  # [M, num_tasks]
+        )
+
+    # ------------------------------------------------------------ loading helpers
+    def _file(self, name: str) -> Path:
+        path = self.root / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing from the preprocessed output")
+        return path
+
+    def _check_columns(self, name: str, table: pa.Table, columns: tuple[str, ...]) -> None:
+        missing = [c for c in columns if c not in table.column_names]
+        if missing:
+            raise ValueError(f"{self.root / name}: missing column '{missing[0]}'")
+
+    def _validate(self) -> None:
+        """Cheap cross-checks that catch a manifest from another run or a truncated file."""
+        counts, req = self.manifest.counts, self.requests
+        where = self.root / schema.REQUESTS_FILE
+        if len(req) != counts.requests or len(self._video_ids) != counts.events:
+            raise ValueError(
+                f"{self.root}: files disagree with {schema.MANIFEST_FILE} ({len(req)} requests, "
+                f"{len(self._video_ids)} events; manifest says {counts.requests}, {counts.events})"
+            )
+        if len(req) == 0:
+            return
+        if np.any(np.diff(req.time_ms) < 0) or not np.array_equal(req.request_id, np.arange(len(req))):
+            raise ValueError(f"{where}: requests are not numbered in time order")
+        row = np.minimum(self._request_user_row, len(self.user_ids) - 1)
+        if np.any(self.user_ids[row] != req.user_id):
+            raise ValueError(f"{where}: a request's user has no sequence")
+        user_events = self._offsets[row + 1] - self._offsets[row]
+        if np.any((req.start < 0) | (req.start >= req.end) | (req.num_candidates < 1)
+                  | (req.end + req.num_candidates > user_events)):  # fmt: skip
+            raise ValueError(f"{where}: a request's range lies outside its user's events")
+
+
+def _flat_list(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """list<int64> column -> ([E] values, [U + 1] int64 offsets starting at 0)."""
+    lists = column.combine_chunks()
+    offsets = lists.offsets.to_numpy().astype(np.int64)
+    return lists.flatten().to_numpy().astype(np.int64, copy=False), offsets - offsets[0]
+
+
+def _range_indices(begin: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation over i of arange(begin[i], begin[i] + lengths[i]): [sum(lengths)]."""
+    offsets = offsets_from_lengths(torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64))).numpy()
+    return np.repeat(begin - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)

@@ -1,0 +1,200 @@
+"""Load and validate the raw KuaiRand-1K CSV files.
+
+Every problem with the input raises `RawDataError`, whose message names the file, the
+column and, where it applies, the 1-based CSV line (line 1 is the header), so a user
+with a broken download knows exactly what to look at. Reading uses pyarrow.csv with
+explicit column types and only the needed columns; the slow search for the offending
+line runs only after a read has failed.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+
+from data import schema
+
+
+class RawDataError(ValueError):
+    """Invalid raw input. `str(err)` reads '<file>: column '<col>', line <n>: <problem>'."""
+
+    def __init__(self, path: Path | str, problem: str, column: str | None = None, line: int | None = None):
+        where = [str(path)]
+        if column is not None:
+            where.append(f"column '{column}'")
+        if line is not None:
+            where.append(f"line {line}")
+        super().__init__(f"{': '.join(where)}: {problem}")
+        self.path, self.column, self.line = Path(path), column, line
+
+
+def find_data_dir(path: Path | str) -> Path:
+    """The directory holding the CSVs: `path` itself, `path/data` or `path/KuaiRand-1K/data`.
+
+    Accepts the unpacked `KuaiRand-1K/data/`, the `KuaiRand-1K` folder, or its parent.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise RawDataError(root, "data directory does not exist")
+    candidates = (root, root / "data", root / "KuaiRand-1K" / "data")
+    for candidate in candidates:
+        if any((candidate / name).is_file() for name in schema.RAW_FILES):
+            return candidate
+    return root / "data" if (root / "data").is_dir() else root
+
+
+def required_file(data_dir: Path, name: str) -> Path:
+    path = data_dir / name
+    if not path.is_file():
+        raise RawDataError(path, "required file is missing")
+    return path
+
+
+def read_header(path: Path) -> list[str]:
+    with open(path, "rb") as f:
+        first = f.readline().decode("utf-8-sig", errors="replace").strip()
+    if not first:
+        raise RawDataError(path, "file is empty (no header line)", line=1)
+    return [name.strip().strip('"') for name in first.split(",")]
+
+
+def read_columns(path: Path, column_types: dict[str, pa.DataType]) -> pa.Table:
+    """Read only `column_types`' columns with those types; no nulls allowed in integer columns."""
+    header = read_header(path)
+    missing = [c for c in column_types if c not in header]
+    if missing:
+        raise RawDataError(path, f"missing column (header has {len(header)} columns)", column=missing[0])
+    try:
+        table = pacsv.read_csv(
+            path,
+            convert_options=pacsv.ConvertOptions(
+                column_types=column_types, include_columns=list(column_types)
+            ),
+        )
+    except pa.ArrowInvalid as err:
+        raise _locate_read_error(path, column_types, err) from err
+    for name, dtype in column_types.items():
+        column = table.column(name)
+        if pa.types.is_integer(dtype) and column.null_count:
+            raise RawDataError(path, "empty cell", column=name, line=_first_line(column.is_null()))
+    return table
+
+
+def read_log(path: Path) -> pa.Table:
+    """One interaction log (all 19 int64 columns), checked: ids >= 0, action flags in {0, 1}."""
+    table = read_columns(path, {c: pa.int64() for c in schema.LOG_COLUMNS})
+    if table.num_rows == 0:
+        return table
+    for name in (*schema.LOG_ID_COLUMNS, *schema.ACTION_COLUMNS):  # one min/max pass per column
+        column = table.column(name)
+        low, high = (v.as_py() for v in pc.min_max(column).values())
+        if name in schema.LOG_ID_COLUMNS and low < 0:
+            raise RawDataError(path, "negative id", column=name, line=_first_line(pc.less(column, 0)))
+        if name in schema.ACTION_COLUMNS and (low < 0 or high > 1):
+            bad = pc.or_(pc.less(column, 0), pc.greater(column, 1))
+            raise RawDataError(path, "action flag must be 0 or 1", column=name, line=_first_line(bad))
+    return table
+
+
+def read_user_features(path: Path) -> pa.Table:
+    """user_id plus the contextual-feature columns. Integer codes are read as float64
+    (the real file stores some of them with missing values, hence as floats) and checked
+    to be whole numbers; user_id must be unique and non-negative."""
+    types = {"user_id": pa.int64()}
+    types.update({f.column: pa.string() if f.is_text else pa.float64() for f in schema.CONTEXT_FEATURES})
+    table = read_columns(path, types)
+    user_id = table.column("user_id")
+    if len(user_id) and pc.min(user_id).as_py() < 0:
+        raise RawDataError(path, "negative id", column="user_id", line=_first_line(pc.less(user_id, 0)))
+    ids = user_id.to_numpy()
+    order = np.argsort(ids, kind="stable")
+    repeated = order[1:][ids[order[1:]] == ids[order[:-1]]]
+    if len(repeated):
+        raise RawDataError(path, "duplicate user_id", column="user_id", line=int(repeated.min()) + 2)
+    for feature in schema.CONTEXT_FEATURES:
+        if feature.is_text:
+            continue
+        values = table.column(feature.column)
+        bad = pc.fill_null(pc.not_equal(values, pc.floor(values)), False)
+        if pc.any(bad).as_py():
+            raise RawDataError(path, "expected a whole number", column=feature.column, line=_first_line(bad))
+    return table
+
+
+# ---------------------------------------------------------------- error location (slow path)
+def _first_line(mask: pa.ChunkedArray | pa.Array) -> int:
+    """1-based CSV line of the first true row (row r is on line r + 2: line 1 is the header)."""
+    return int(np.flatnonzero(np.asarray(mask.to_numpy(zero_copy_only=False), dtype=bool))[0]) + 2
+
+
+def _locate_read_error(path: Path, column_types: dict[str, pa.DataType], err: pa.ArrowInvalid) -> RawDataError:
+    """Turn a pyarrow read failure into a RawDataError with column and line."""
+    message = str(err)
+    if "CSV parse error" in message:  # ragged row: re-parse single-threaded to learn its line
+        found: list[tuple[int | None, int, int]] = []
+
+        def remember(row) -> str:
+            found.append((row.number, row.expected_columns, row.actual_columns))
+            return "error"
+
+        try:
+            pacsv.read_csv(
+                path,
+                read_options=pacsv.ReadOptions(use_threads=False),
+                parse_options=pacsv.ParseOptions(invalid_row_handler=remember),
+                convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in column_types}),
+            )
+        except pa.ArrowInvalid:
+            pass
+        if found:
+            line, expected, actual = found[0]
+            return RawDataError(path, f"expected {expected} columns, got {actual}", line=line)
+        return RawDataError(path, message)
+    # Conversion error: read the suspect columns as text and find the first cell that
+    # pyarrow's own cast refuses (so the located cell is exactly the one the reader refused).
+    named = re.search(r"column #(\d+)", message)
+    header = read_header(path)
+    first = header[int(named.group(1))] if named and int(named.group(1)) < len(header) else None
+    suspects = sorted(column_types, key=lambda c: c != first)  # the named column first
+    text = pacsv.read_csv(
+        path,
+        convert_options=pacsv.ConvertOptions(
+            column_types={c: pa.string() for c in suspects},
+            include_columns=suspects,
+            strings_can_be_null=True,  # empty cells are nulls, as in the typed read
+        ),
+    )
+    for name in suspects:
+        cells = text.column(name).combine_chunks()
+        row = _first_uncastable(cells, column_types[name])
+        if row is not None:
+            return RawDataError(
+                path, f"cannot read {cells[row].as_py()!r} as {column_types[name]}", column=name, line=row + 2
+            )
+    return RawDataError(path, message)
+
+
+def _first_uncastable(cells: pa.Array, dtype: pa.DataType) -> int | None:
+    """Index of the first cell that does not cast to `dtype` (binary search over slices)."""
+
+    def casts(lo: int, hi: int) -> bool:
+        try:
+            pc.cast(cells.slice(lo, hi - lo), dtype)
+            return True
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return False
+
+    if casts(0, len(cells)):
+        return None
+    lo, hi = 0, len(cells)  # invariant: [lo, hi) contains the first bad cell, [0, lo) casts
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if casts(lo, mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

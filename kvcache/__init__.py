@@ -1,0 +1,38 @@
+"""User-keyed paged KV cache for HSTU inference (see docs/kvcache.md).
+
+    cfg = KVCacheConfig(num_layers, num_heads, head_dim, page_size=32, num_pages=1024)
+    mgr = KVCacheManager(cfg)
+    start, length = mgr.get_user_kvdata_info(users)
+    meta = mgr.prepare_kv_cache(users, start + length, new_lengths)
+    for layer ...: paged_kvcache_ops.append_kvcache(mgr.k_cache(l), mgr.v_cache(l), k, v, meta.new_token_slots)
+                   k_all, v_all = paged_kvcache_ops.gather_kvcache(mgr.k_cache(l), mgr.v_cache(l), meta.kv_slots)
+    mgr.commit(meta)   # or mgr.rollback(meta) if the forward failed
+"""
+from . import paged_kvcache_ops
+from .config import KVCacheConfig, PageLayout
+from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
+from .host_storage import HostEntry, HostKVStorage, HostPages, HostWriteResult, InMemoryHostStorage
+from .manager import KVCacheManager
+from .metadata import KVCacheMetadata
+from .policy import EvictionPolicy, LFUPolicy, LRUPolicy
+from .stats import CacheStats
+
+__all__ = [
+    "CacheStats",
+    "EvictionPolicy",
+    "HostEntry",
+    "HostKVStorage",
+    "HostPages",
+    "HostWriteResult",
+    "InMemoryHostStorage",
+    "KVCacheCapacityError",
+    "KVCacheConfig",
+    "KVCacheManager",
+    "KVCacheMetadata",
+    "KVCacheRequestError",
+    "KVCacheStaleError",
+    "LFUPolicy",
+    "LRUPolicy",
+    "PageLayout",
+    "paged_kvcache_ops",
+]

@@ -1,0 +1,503 @@
+"""KVCacheManager: the user-keyed paged KV cache (the API the model codes against).
+
+Per-user state lives here; pages come from `DevicePagePool`, victims from an
+`EvictionPolicy`, and the host tier is any `HostKVStorage`. One RLock guards all of it.
+
+A user is, at any time, in one of these states (docs/kvcache.md draws the machine):
+
+* unknown: nothing cached in any tier;
+* resident: its committed tokens `[start_pos, start_pos + length)` are in device pages
+  (`pages[i]` holds tokens `start_pos + i * page_size ...`), and the host may hold a prefix;
+* host-only: evicted from the device, the host tier holds `(start_pos, length)`;
+* in flight: resident, with a prepared but uncommitted batch; its extra pages are reserved
+  and its length only moves at commit.
+
+The host tier is the source of truth for what it holds (it may evict on its own); the
+manager never mirrors it, it asks `info`.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .config import KVCacheConfig
+from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
+from .host_storage import HostEntry, HostKVStorage, HostPages, InMemoryHostStorage
+from .metadata import KVCacheMetadata, build_metadata, token_slots
+from .offload import OffloadWorker
+from .policy import make_policy
+from .pool import DevicePagePool
+from .stats import CacheStats, new_counters
+
+UserIds = Sequence[int] | Tensor
+_PREPARE_IDS = itertools.count(1)  # process-wide, so a metadata object from another manager is refused too
+
+
+class _Resident:
+    """A user's committed tokens on the device (plus reserved pages while in flight)."""
+
+    __slots__ = ("start_pos", "length", "pages")
+
+    def __init__(self, start_pos: int, length: int, pages: list[int]) -> None:
+        self.start_pos = start_pos
+        self.length = length
+        self.pages = pages
+
+
+@dataclass
+class _Pending:
+    """What a prepare changed, so that commit can apply it and rollback can undo it."""
+
+    user_ids: tuple[int, ...]
+    new_lengths: list[int]
+    kept_pages: list[int]  # pages each user held before this prepare's new pages (onloaded ones included)
+    created: list[bool]  # the resident entry was created for a user with nothing cached
+    tombstones: dict[int, int]  # cleared by this prepare, restored by rollback
+
+
+@dataclass
+class _Plan:
+    """A validated prepare: nothing has been mutated yet."""
+
+    user_ids: list[int]
+    start_pos: list[int]
+    new_lengths: list[int]
+    on_host: dict[int, HostEntry]  # users to onload
+    pages_needed: int
+
+
+class KVCacheManager:
+    """User-keyed paged KV cache over a device page pool and a host tier. Thread-safe."""
+
+    def __init__(self, config: KVCacheConfig, host_storage: HostKVStorage | None = None) -> None:
+        self.config = config
+        self._layout = config.page_layout
+        self._pool = DevicePagePool(self._layout, config.num_pages, config.device)
+        if host_storage is None:
+            host_storage = InMemoryHostStorage(config.host_capacity_bytes, pin_memory=config.pin_host_memory)
+        host_storage.bind(self._layout)
+        self._host = host_storage
+        self._policy = make_policy(config.eviction_policy)
+        self._lock = threading.RLock()
+        self._users: dict[int, _Resident] = {}
+        self._pending: dict[int, _Pending] = {}  # prepare id -> what it changed
+        self._in_flight: set[int] = set()
+        # Users whose data was dropped (not invalidated) since they were last reported, with the
+        # position their data ended at: a prepare continuing from there planned with a stale answer.
+        self._lost: dict[int, int] = {}
+        self._offload_requested: set[int] = set()  # async offloads not yet run
+        self._counters = new_counters()
+        self._worker: OffloadWorker | None = None
+        if config.async_offload:
+            self._worker = OffloadWorker(weakref.WeakMethod(self._run_offload_job))
+            weakref.finalize(self, self._worker.close)
+
+    # ------------------------------------------------------------------ device views
+    def k_cache(self, layer: int) -> Tensor:
+        """[num_pages, page_size, num_heads, head_dim], preallocated; never reallocated."""
+        return self._pool.k_cache(layer)
+
+    def v_cache(self, layer: int) -> Tensor:
+        return self._pool.v_cache(layer)
+
+    # ------------------------------------------------------------------ lookups
+    def get_user_kvdata_info(self, user_ids: UserIds) -> tuple[Tensor, Tensor]:
+        """(cached_start_pos, cached_len), int64 [B] on CPU: what is reusable in any tier ((0, 0) if nothing).
+
+        Reporting a user also acknowledges any eviction of its data (see `KVCacheStaleError`).
+        """
+        starts, lengths = [], []
+        with self._lock:
+            for u in self._refusing(_int_list, user_ids, "user_ids"):
+                start, length = self._cached(u)
+                starts.append(start)
+                lengths.append(length)
+                self._lost.pop(u, None)
+        return torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+
+    def read_kv(self, user_id: int, layer: int) -> tuple[Tensor, Tensor]:
+        """The committed K and V of a user for one layer, [cached_len, H, D] each on the device (a copy)."""
+        if not 0 <= layer < self.config.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.config.num_layers} layers.")
+        lay = self._layout
+        with self._lock:
+            res = self._users.get(user_id)
+            if res is not None and res.length:
+                pages = np.asarray(res.pages, dtype=np.int64)
+                slots = token_slots(pages, np.array([len(pages)]), np.array([0]), np.array([res.length]), lay.page_size)
+                idx = torch.from_numpy(slots).to(self.config.device)
+                rows = (-1, lay.num_heads, lay.head_dim)
+                return self.k_cache(layer).view(rows).index_select(0, idx), self.v_cache(layer).view(rows).index_select(0, idx)
+            hp = self._host.read(user_id) if self._host.info(user_id) is not None else None
+            if hp is None:
+                empty = torch.zeros((0, lay.num_heads, lay.head_dim), dtype=lay.dtype, device=self.config.device)
+                return empty, empty.clone()
+            kv = hp.pages[:, layer].transpose(0, 1).reshape(2, -1, lay.num_heads, lay.head_dim)[:, : hp.length]
+            kv = kv.to(self.config.device, copy=True)
+            return kv[0], kv[1]
+
+    # ------------------------------------------------------------------ prepare / commit / rollback
+    def prepare_kv_cache(self, user_ids: UserIds, start_pos: UserIds, new_lengths: UserIds) -> KVCacheMetadata:
+        """Validate a batch against the cache, onload and allocate pages, and return where its tokens live.
+
+        Each user's input must continue its cached tokens exactly (a user with nothing cached
+        may start anywhere). A refused batch raises a `KVCacheRequestError` and changes nothing.
+        The new tokens become part of the cache only at `commit`.
+        """
+        with self._lock:
+            plan = self._refusing(self._plan_prepare, user_ids, start_pos, new_lengths)
+            host_pages = self._refusing(self._read_host, plan)
+            return self._execute(plan, host_pages)
+
+    def commit(self, meta: KVCacheMetadata) -> None:
+        """The forward succeeded: the batch's new tokens become cached."""
+        with self._lock:
+            pending = self._refusing(self._take_pending, meta)
+            for u, n in zip(pending.user_ids, pending.new_lengths):
+                res = self._users[u]
+                res.length += n
+                if res.length == 0:  # a visit with nothing new by a user with nothing cached
+                    self._drop_resident(u)
+            self._in_flight.difference_update(pending.user_ids)
+            self._counters["tokens_appended"] += sum(pending.new_lengths)
+            self._pool.mark_written()
+
+    def rollback(self, meta: KVCacheMetadata) -> None:
+        """The forward failed: free the pages the prepare allocated; lengths are as before.
+
+        Data onloaded from the host by that prepare stays on the device (it is valid).
+        """
+        with self._lock:
+            pending = self._refusing(self._take_pending, meta)
+            for u, kept, created in zip(pending.user_ids, pending.kept_pages, pending.created):
+                res = self._users[u]
+                self._pool.free(res.pages[kept:])
+                del res.pages[kept:]
+                if created:
+                    self._drop_resident(u)
+            for u, end in pending.tombstones.items():
+                if u not in self._users:
+                    self._lost[u] = end
+            self._in_flight.difference_update(pending.user_ids)
+            self._counters["rollbacks"] += 1
+
+    # ------------------------------------------------------------------ tiers
+    def offload_kv_cache(self, user_ids: UserIds | None = None) -> None:
+        """Copy to the host tier what the device holds and the host lacks (None: every resident user).
+
+        Incremental: only the rewritten last partial page and new pages move. Asynchronous when
+        the config says so (`wait()` to block); committed tokens only.
+        """
+        with self._lock:
+            if user_ids is None:
+                users = list(self._users)
+            else:
+                users = [u for u in self._refusing(_int_list, user_ids, "user_ids") if u in self._users]
+            if self._worker is None:
+                for u in users:
+                    self._offload(u)
+            else:
+                self._offload_requested.update(users)
+                self._worker.submit(tuple(users))
+
+    def wait(self) -> None:
+        """Block until every asynchronous offload requested so far has run."""
+        if self._worker is not None:
+            self._worker.wait()
+
+    def evict_kv_cache(self, user_ids: UserIds | None = None) -> None:
+        """Drop device data (None: every user not in flight); the host tier keeps what it has.
+
+        A requested asynchronous offload of a user runs before its eviction.
+        """
+        with self._lock:
+            if user_ids is None:
+                users = [u for u in self._users if u not in self._in_flight]
+            else:
+                users = self._refusing(self._checked_users, user_ids, "evicted")
+            for u in users:
+                if u in self._users:
+                    self._evict(u, offload=False)
+
+    def invalidate_kv_cache(self, user_ids: UserIds) -> None:
+        """Forget the users' data in every tier (a restarted attention window, a rewritten history)."""
+        with self._lock:
+            users = self._refusing(self._checked_users, user_ids, "invalidated")
+            for u in users:
+                if u in self._users:
+                    self._drop_resident(u)
+                self._host.drop(u)
+                self._lost.pop(u, None)
+                self._offload_requested.discard(u)
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(
+                **self._counters,
+                pages_in_use=self._pool.num_used,
+                pages_total=self._pool.num_pages,
+                users_on_device=len(self._users),
+                users_on_host=self._host.num_users,
+                host_bytes_used=self._host.bytes_used,
+                host_capacity_bytes=self._host.capacity_bytes,
+            )
+
+    def close(self) -> None:
+        """Finish pending offloads and stop the offload worker (async mode)."""
+        if self._worker is not None:
+            try:
+                self._worker.wait()
+            finally:
+                self._worker.close()
+
+    def __enter__(self) -> "KVCacheManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping is consistent (a debugging aid; O(pages))."""
+        with self._lock:
+            lay, pool = self._layout, self._pool
+            owned = [p for res in self._users.values() for p in res.pages]
+            free = pool.free_pages()
+            assert len(owned) == len(set(owned)), "a page is owned twice"
+            assert not set(owned) & set(free), "a page is both owned and free"
+            assert len(owned) + len(free) == pool.num_pages == pool.num_used + pool.num_free, "pages leaked"
+            assert len(self._policy) == len(self._users), "policy and residents disagree"
+            assert self._in_flight <= self._users.keys(), "an in-flight user is not resident"
+            for u, res in self._users.items():
+                committed = lay.num_pages(res.length)
+                if u in self._in_flight:
+                    assert len(res.pages) >= committed, f"user {u} lost pages"
+                else:
+                    assert res.length > 0 and len(res.pages) == committed, f"user {u} holds wrong pages"
+                h = self._host.info(u)
+                assert h is None or (h.start_pos == res.start_pos and h.length <= res.length), f"user {u}: host ahead"
+
+    # ------------------------------------------------------------------ internals (lock held)
+    def _refusing(self, fn, *args):
+        """Call fn; count a refusal if it refuses."""
+        try:
+            return fn(*args)
+        except KVCacheRequestError:
+            self._counters["refusals"] += 1
+            raise
+
+    def _cached(self, u: int) -> tuple[int, int]:
+        res = self._users.get(u)
+        if res is not None and res.length:
+            return res.start_pos, res.length
+        h = self._host.info(u) if res is None else None
+        return (h.start_pos, h.length) if h is not None else (0, 0)
+
+    def _checked_users(self, user_ids: UserIds, verb: str) -> list[int]:
+        users = _int_list(user_ids, "user_ids")
+        for u in users:
+            if u in self._in_flight:
+                raise KVCacheRequestError(f"User {u} has a prepare in flight and cannot be {verb}; commit or roll it back first.")
+        return users
+
+    def _plan_prepare(self, user_ids: UserIds, start_pos: UserIds, new_lengths: UserIds) -> _Plan:
+        users = _int_list(user_ids, "user_ids")
+        starts = _int_list(start_pos, "start_pos")
+        news = _int_list(new_lengths, "new_lengths")
+        if not len(users) == len(starts) == len(news):
+            raise KVCacheRequestError(
+                f"user_ids, start_pos and new_lengths differ in length: {len(users)}, {len(starts)}, {len(news)}."
+            )
+        if len(set(users)) != len(users):
+            seen: set[int] = set()
+            dup = next(u for u in users if u in seen or seen.add(u))
+            raise KVCacheRequestError(f"User {dup} appears more than once in the batch.")
+        page_size = self._layout.page_size
+        on_host: dict[int, HostEntry] = {}
+        need = held = 0
+        for u, start, new in zip(users, starts, news):
+            if start < 0 or new < 0:
+                raise KVCacheRequestError(f"User {u}: start_pos and new_length must be >= 0, got {start} and {new}.")
+            if u in self._in_flight:
+                raise KVCacheRequestError(f"User {u} has a prepare in flight; commit or roll it back first.")
+            res = self._users.get(u)
+            if res is not None:
+                cached_start, cached_len, have = res.start_pos, res.length, len(res.pages)
+                held += have
+            else:
+                h = self._host.info(u)
+                cached_start, cached_len, have = (h.start_pos, h.length, 0) if h is not None else (start, 0, 0)
+                if h is not None:
+                    on_host[u] = h
+            if cached_len:
+                _check_continues(u, start, cached_start, cached_start + cached_len)
+            elif self._lost.get(u) == start:
+                raise KVCacheStaleError(
+                    f"User {u}: its cached tokens up to position {start - 1} were evicted after they were last "
+                    "reported; call get_user_kvdata_info again and recompute from what is cached."
+                )
+            need += -(-(cached_len + new) // page_size) - have
+        in_flight = sum(len(self._users[u].pages) for u in self._in_flight)
+        available = self._pool.num_pages - held - in_flight
+        if need > available:
+            raise KVCacheCapacityError(
+                f"The batch needs {need} more pages but the pool can free at most {available} for it "
+                f"(num_pages={self._pool.num_pages}; {held} held by the batch, {in_flight} by prepares in flight)."
+            )
+        return _Plan(users, starts, news, on_host, need)
+
+    def _read_host(self, plan: _Plan) -> dict[int, HostPages]:
+        """Read the host data to onload before any eviction can push it out of the host tier."""
+        out = {}
+        for u, entry in plan.on_host.items():
+            hp = self._host.read(u)
+            if hp is None or (hp.start_pos, hp.length) != entry:
+                raise KVCacheRequestError(f"User {u}: the host tier lost its data while it was being read; retry.")
+            out[u] = hp
+        return out
+
+    def _execute(self, plan: _Plan, host_pages: dict[int, HostPages]) -> KVCacheMetadata:
+        if plan.pages_needed > self._pool.num_free:
+            self._evict_for(plan.pages_needed, batch=set(plan.user_ids))
+        page_size = self._layout.page_size
+        kept, created, cached_start, cached_len, page_lists, tombstones = [], [], [], [], [], {}
+        for u, start, new in zip(plan.user_ids, plan.start_pos, plan.new_lengths):
+            res = self._users.get(u)
+            is_new = False
+            if res is not None:
+                self._policy.touch(u)
+            elif u in host_pages:
+                res = self._onload(u, host_pages[u])
+            else:
+                res = self._users[u] = _Resident(start, 0, [])
+                self._policy.add(u)
+                is_new = True
+            kept.append(len(res.pages))
+            created.append(is_new)
+            res.pages.extend(self._pool.alloc(-(-(res.length + new) // page_size) - len(res.pages)))
+            cached_start.append(res.start_pos)
+            cached_len.append(res.length)
+            page_lists.append(res.pages)
+            if u in self._lost:
+                tombstones[u] = self._lost.pop(u)
+        prepare_id = next(_PREPARE_IDS)
+        self._pending[prepare_id] = _Pending(tuple(plan.user_ids), plan.new_lengths, kept, created, tombstones)
+        self._in_flight.update(plan.user_ids)
+        hits = sum(1 for n in cached_len if n)
+        self._counters["hits"] += hits
+        self._counters["misses"] += len(cached_len) - hits
+        self._counters["tokens_reused"] += sum(cached_len)
+        return build_metadata(
+            prepare_id, plan.user_ids, cached_start, cached_len, plan.new_lengths, page_lists,
+            page_size, self.config.device, self.config.pin_host_memory,
+        )
+
+    def _take_pending(self, meta: KVCacheMetadata) -> _Pending:
+        pending = self._pending.get(meta.prepare_id)
+        if pending is None or pending.user_ids != meta.user_ids:
+            raise KVCacheRequestError(
+                "This metadata is stale: it was already committed or rolled back, or comes from another manager."
+            )
+        del self._pending[meta.prepare_id]
+        return pending
+
+    def _evict_for(self, pages_needed: int, batch: set[int]) -> None:
+        """Evict users (never the batch or users in flight) until `pages_needed` pages are free."""
+        victims, free = [], self._pool.num_free
+        for u in self._policy.order():
+            if free >= pages_needed:
+                break
+            if u not in batch and u not in self._in_flight:
+                victims.append(u)
+                free += len(self._users[u].pages)
+        for u in victims:
+            self._evict(u, offload=True)
+
+    def _evict(self, u: int, offload: bool) -> None:
+        """Drop a resident user from the device, offloading first if asked (or if an async offload is pending)."""
+        if offload or u in self._offload_requested:
+            self._offload(u)
+        res = self._users[u]
+        self._drop_resident(u)
+        self._counters["device_evictions"] += 1
+        if self._host.info(u) is None:
+            self._lost[u] = res.start_pos + res.length
+
+    def _drop_resident(self, u: int) -> None:
+        res = self._users.pop(u)
+        self._policy.remove(u)
+        self._pool.free(res.pages)
+        self._offload_requested.discard(u)
+
+    def _onload(self, u: int, hp: HostPages) -> _Resident:
+        pages = self._pool.alloc(self._layout.num_pages(hp.length))
+        self._pool.copy_in(pages, hp.pages)
+        res = self._users[u] = _Resident(hp.start_pos, hp.length, pages)
+        self._policy.add(u)
+        self._counters["onloaded_bytes"] += len(pages) * self._layout.page_nbytes
+        return res
+
+    def _offload(self, u: int) -> None:
+        """Make the host hold exactly the user's committed device data, writing only what it lacks."""
+        self._offload_requested.discard(u)
+        res = self._users.get(u)
+        if res is None or res.length == 0:
+            return
+        h = self._host.info(u)
+        if h is not None and h.start_pos == res.start_pos and h.length == res.length:
+            return
+        if h is not None and h.start_pos == res.start_pos and h.length < res.length:
+            first = -(-h.length // self._layout.page_size)  # rewrite the partial last page, then the new ones
+        else:
+            first = 0
+        pages = res.pages[first : self._layout.num_pages(res.length)]
+        result = self._host.write(u, res.start_pos, res.length, first, lambda dst: self._pool.copy_out(pages, dst))
+        if result.stored:
+            self._counters["offloaded_bytes"] += len(pages) * self._layout.page_nbytes
+        else:
+            self._counters["host_rejected_writes"] += 1
+        self._counters["host_evictions"] += len(result.evicted)
+        for v, entry in result.evicted:
+            if v not in self._users:
+                self._lost[v] = entry.start_pos + entry.length
+
+    def _run_offload_job(self, user_ids: tuple[int, ...]) -> None:
+        """Worker side of an async offload: one user per lock hold, skipping users already handled."""
+        for u in user_ids:
+            with self._lock:
+                if u in self._offload_requested:
+                    self._offload(u)
+
+
+def _check_continues(u: int, start: int, cached_start: int, cached_end: int) -> None:
+    if start > cached_end:
+        raise KVCacheRequestError(
+            f"User {u}: The input sequence has missing tokens from {cached_end} to {start - 1} (both inclusive)."
+        )
+    if start < cached_start:
+        raise KVCacheRequestError(
+            f"User {u}: The input sequence starts at {start}, before the cached tokens [{cached_start}, {cached_end}); "
+            "invalidate the user's cache to restart it."
+        )
+    if start < cached_end:
+        raise KVCacheRequestError(
+            f"User {u}: The input sequence has overlapping tokens from {start} to {cached_end - 1} (both inclusive)."
+        )
+
+
+def _int_list(values: UserIds, name: str) -> list[int]:
+    if isinstance(values, Tensor):
+        if values.dim() != 1 or values.is_floating_point() or values.is_complex():
+            raise KVCacheRequestError(f"{name} must be a 1-D integer tensor, got {values.dtype} {tuple(values.shape)}.")
+        return values.tolist()
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError as exc:
+        raise KVCacheRequestError(f"{name} must be a sequence of ints: {exc}") from exc

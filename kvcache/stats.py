@@ -1,0 +1,46 @@
+"""Cache counters: what a capacity planner asks of the cache."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of the event counters (monotonic) and of each tier's occupancy (gauges)."""
+
+    # --- counters ---
+    hits: int = 0  # prepared users that had reusable cached tokens (in any tier)
+    misses: int = 0  # prepared users with nothing cached
+    tokens_reused: int = 0  # cached tokens the prepared users reused
+    tokens_appended: int = 0  # new tokens committed into the cache (= tokens computed)
+    onloaded_bytes: int = 0  # host tier -> device
+    offloaded_bytes: int = 0  # device -> host tier
+    device_evictions: int = 0  # users dropped from the device (pool pressure or evict_kv_cache)
+    host_evictions: int = 0  # users the host tier dropped to make room
+    host_rejected_writes: int = 0  # offloads the host tier could not store (user larger than the tier)
+    refusals: int = 0  # requests refused with a KVCacheRequestError
+    rollbacks: int = 0  # prepares rolled back
+    # --- gauges ---
+    pages_in_use: int = 0
+    pages_total: int = 0
+    users_on_device: int = 0
+    users_on_host: int = 0
+    host_bytes_used: int = 0
+    host_capacity_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        visits = self.hits + self.misses
+        return self.hits / visits if visits else 0.0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+GAUGES = ("pages_in_use", "pages_total", "users_on_device", "users_on_host", "host_bytes_used", "host_capacity_bytes")
+COUNTERS = tuple(f.name for f in fields(CacheStats) if f.name not in GAUGES)
+
+
+def new_counters() -> dict[str, int]:
+    """Mutable counters for the manager; `counters["hits"] += 1` (a misspelt name raises)."""
+    return dict.fromkeys(COUNTERS, 0)

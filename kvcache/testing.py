@@ -1,0 +1,78 @@
+"""Helpers for tests, benchmarks and tools that drive the cache without a model.
+
+`token_kv` gives every (user, position, layer) a deterministic K and V, so a reader can check
+any cached token without keeping a copy; `serve` runs one batch the way the model does
+(prepare, append every layer, commit).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from . import paged_kvcache_ops
+from .config import PageLayout
+from .manager import KVCacheManager
+from .metadata import KVCacheMetadata
+
+ValueFn = Callable[[int, Tensor], Tensor]  # (user_id, positions [N]) -> [2, num_layers, N, H, D]
+
+
+def token_kv(layout: PageLayout, user_id: int, positions: Tensor, salt: int = 0) -> Tensor:
+    """Deterministic K/V of a user's tokens: [2, num_layers, N, num_heads, head_dim] in layout.dtype.
+
+    Values are integers below 2**20 (exact in float32); `salt` (e.g. an epoch bumped at each
+    invalidation) makes a restarted history differ from the old one.
+    """
+    shape = (2, layout.num_layers, 1, layout.num_heads, layout.head_dim)
+    lane = torch.arange(2 * layout.num_layers * layout.num_heads * layout.head_dim, dtype=torch.int64).view(shape)
+    pos = positions.to(torch.int64).view(1, 1, -1, 1, 1)
+    mixed = (user_id * 1_000_003 + salt * 15_485_863 + pos * 7_919 + lane * 104_729) % (1 << 20)
+    return mixed.to(layout.dtype)
+
+
+def append_batch(mgr: KVCacheManager, meta: KVCacheMetadata, kv: Tensor) -> None:
+    """Append `kv` ([2, num_layers, N, H, D], N = meta.num_new_tokens) into every layer, as the model does."""
+    kv = kv.to(mgr.config.device)
+    for layer in range(mgr.config.num_layers):
+        paged_kvcache_ops.append_kvcache(
+            mgr.k_cache(layer), mgr.v_cache(layer), kv[0, layer], kv[1, layer], meta.new_token_slots
+        )
+
+
+def new_token_kv(layout: PageLayout, meta: KVCacheMetadata, start_pos: Sequence[int], values: ValueFn) -> Tensor:
+    """K/V of every new token of a prepared batch, users concatenated: [2, num_layers, N, H, D]."""
+    parts = [
+        values(u, torch.arange(s, s + n))
+        for u, s, n in zip(meta.user_ids, start_pos, meta.new_lengths.tolist())
+    ]
+    if not parts:
+        return torch.zeros((2, layout.num_layers, 0, layout.num_heads, layout.head_dim), dtype=layout.dtype)
+    return torch.cat(parts, dim=2)
+
+
+def serve(
+    mgr: KVCacheManager,
+    user_ids: Sequence[int],
+    start_pos: Sequence[int],
+    new_lengths: Sequence[int],
+    values: ValueFn | None = None,
+) -> KVCacheMetadata:
+    """prepare -> append (all layers) -> commit; rolls back and re-raises if appending fails."""
+    layout = mgr.config.page_layout
+    values = values or (lambda u, pos: token_kv(layout, u, pos))
+    meta = mgr.prepare_kv_cache(user_ids, start_pos, new_lengths)
+    try:
+        append_batch(mgr, meta, new_token_kv(layout, meta, start_pos, values))
+    except BaseException:
+        mgr.rollback(meta)
+        raise
+    mgr.commit(meta)
+    return meta
+
+
+def expected_kv(layout: PageLayout, user_id: int, start: int, length: int, layer: int, salt: int = 0) -> tuple[Tensor, Tensor]:
+    """What `read_kv(user_id, layer)` must return for tokens [start, start + length) made by `token_kv`."""
+    kv = token_kv(layout, user_id, torch.arange(start, start + length), salt)
+    return kv[0, layer], kv[1, layer]

@@ -1,0 +1,108 @@
+"""HSTUConfig: every hyper-parameter of the ranking model, and named presets."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from data.schema import TASKS
+
+NUM_ACTION_IDS = 256  # action_weights is an 8-bit mask
+UNKNOWN_ACTION_ID = NUM_ACTION_IDS  # a candidate's action is not known yet: its own learned vector
+
+
+@dataclass(frozen=True)
+class HSTUConfig:
+    # Transformer
+    num_layers: int = 3
+    hidden_dim: int = 512  # token embedding / residual stream width
+    num_heads: int = 4
+    head_dim: int = 128  # q, k, v and u all use num_heads x head_dim
+    max_seq_len: int = 4096  # N: the attention normaliser and the most history tokens in a window
+    window_stride: int = 1024  # a window restart moves the window start by multiples of this (events)
+    dropout: float = 0.0  # used in training only
+    # Embeddings (all through one TorchRec EmbeddingCollection)
+    video_hash_size: int = 1_000_003  # video ids are hashed (mod a prime) into this many rows
+    num_time_gap_buckets: int = 64
+    position_table_size: int = 8192  # token positions are clamped to this table
+    user_feature_cardinalities: tuple[int, ...] = ()  # one contextual prefix token per feature
+    use_contextual_prefix: bool = True
+    # Head
+    num_tasks: int = len(TASKS)
+    mlp_hidden_dim: int = 512
+    # Serving
+    page_size: int = 32  # KV cache page size (tokens) suggested for this model
+
+    def __post_init__(self) -> None:
+        checks = {
+            "num_layers must be >= 1": self.num_layers >= 1,
+            "num_heads and head_dim must be >= 1": self.num_heads >= 1 and self.head_dim >= 1,
+            "max_seq_len must exceed the contextual prefix": self.max_seq_len > self.num_prefix_tokens,
+            "window_stride must be in [1, max_seq_len - prefix]": 1
+            <= self.window_stride
+            <= self.max_seq_len - self.num_prefix_tokens,
+            "position_table_size must be >= 1": self.position_table_size >= 1,
+            "num_time_gap_buckets must be >= 1": self.num_time_gap_buckets >= 1,
+            "video_hash_size must be >= 1": self.video_hash_size >= 1,
+            "dropout must be in [0, 1)": 0.0 <= self.dropout < 1.0,
+            "user feature cardinalities must be >= 1": all(c >= 1 for c in self.user_feature_cardinalities),
+        }
+        failed = [msg for msg, ok in checks.items() if not ok]
+        if failed:
+            raise ValueError("Invalid HSTUConfig: " + "; ".join(failed))
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """C: contextual tokens (one per user feature) at the start of every window."""
+        return len(self.user_feature_cardinalities) if self.use_contextual_prefix else 0
+
+    @property
+    def attention_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def replace(self, **changes) -> "HSTUConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["user_feature_cardinalities"] = list(self.user_feature_cardinalities)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HSTUConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"Unknown HSTUConfig fields: {unknown}")
+        d = dict(d)
+        if "user_feature_cardinalities" in d:
+            d["user_feature_cardinalities"] = tuple(d["user_feature_cardinalities"])
+        return cls(**d)
+
+
+_PRESETS: dict[str, HSTUConfig] = {
+    # The published KuaiRand-1K HSTU shape: 3 layers, hidden 512, 4 heads x 128.
+    "kuairand-1k": HSTUConfig(),
+    # Small enough to train in minutes on 2 CPU cores, large enough that compute dominates.
+    "demo": HSTUConfig(
+        hidden_dim=256, num_heads=4, head_dim=64, max_seq_len=2048, window_stride=512,
+        video_hash_size=200_003, mlp_hidden_dim=256, position_table_size=4096,
+    ),
+    # Unit tests: tiny and fast.
+    "tiny": HSTUConfig(
+        num_layers=2, hidden_dim=32, num_heads=2, head_dim=16, max_seq_len=256, window_stride=64,
+        video_hash_size=1009, num_time_gap_buckets=16, position_table_size=512,
+        mlp_hidden_dim=32, page_size=4,
+    ),
+}
+
+PRESET_NAMES = tuple(_PRESETS)
+
+
+def preset(name: str, **overrides) -> HSTUConfig:
+    """A named configuration, optionally with fields replaced (e.g. the dataset's feature vocab)."""
+    if name not in _PRESETS:
+        raise ValueError(f"Unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
+    return _PRESETS[name].replace(**overrides)
+
+
+__all__ = ["HSTUConfig", "preset", "PRESET_NAMES", "NUM_ACTION_IDS", "UNKNOWN_ACTION_ID"]

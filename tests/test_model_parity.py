@@ -1,0 +1,131 @@
+"""The parity contract: cached (incremental) logits == full-recompute logits, many ways."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from model.recommender import HSTURecommender
+from model_helpers import (
+    Visit, assert_logits_close, make_cache, random_candidates, random_histories, serve, tiny_config,
+)
+
+
+def sensitive_model(config, seed: int = 0) -> HSTURecommender:
+    """Random weights with large embeddings, so every input token visibly moves the logits."""
+    torch.manual_seed(seed)
+    model = HSTURecommender(config).eval()
+    with torch.no_grad():
+        for table in model.embedder.collection.embeddings.values():
+            table.weight.normal_(std=0.5)
+    return model
+
+
+def random_splits(rng: np.random.Generator, length: int, max_chunk: int) -> list[int]:
+    """Visit ends for a history of `length` events, chunks of 1..max_chunk events."""
+    ends, end = [], 0
+    while end < length:
+        end = min(length, end + int(rng.integers(1, max_chunk + 1)))
+        ends.append(end)
+    return ends
+
+
+def replay_and_compare(model, cache, histories, rng, max_chunk, candidates=(1, 6), between_rounds=None):
+    """Serve every user's visits in random interleaved rounds; compare each round with full recompute."""
+    splits = {u: random_splits(rng, len(h.video_ids), max_chunk) for u, h in histories.items()}
+    progress = {u: 0 for u in histories}
+    rounds = 0
+    while any(progress[u] < len(splits[u]) for u in histories):
+        pending = [u for u in histories if progress[u] < len(splits[u])]
+        chosen = rng.choice(pending, size=int(rng.integers(1, len(pending) + 1)), replace=False)
+        visits = [Visit(int(u), splits[u][progress[u]], random_candidates(rng, int(rng.integers(*candidates))))
+                  for u in chosen]
+        assert_logits_close(serve(model, cache, histories, visits), serve(model, None, histories, visits))
+        for u in chosen:
+            progress[u] += 1
+        if between_rounds is not None:
+            between_rounds(cache, rng, list(histories))
+        rounds += 1
+    return rounds
+
+
+def shuffle_tiers(cache, rng, users):
+    """Between visits: offload some users, evict some from the device, sometimes everything."""
+    action = rng.integers(0, 4)
+    some = [int(u) for u in rng.choice(users, size=max(1, len(users) // 2), replace=False)]
+    if action == 0:
+        cache.offload_kv_cache(some)
+    elif action == 1:
+        cache.offload_kv_cache(some)
+        cache.evict_kv_cache(some)
+    elif action == 2:
+        cache.offload_kv_cache()
+        cache.evict_kv_cache()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("use_prefix", [True, False])
+def test_random_visit_splits_match_full_recompute(seed, use_prefix):
+    cfg = tiny_config(use_contextual_prefix=use_prefix)
+    model = sensitive_model(cfg, seed)
+    rng = np.random.default_rng(seed)
+    histories = random_histories(rng, 6, (1, 40), cfg)
+    cache = make_cache(cfg, num_pages=200)
+    rounds = replay_and_compare(model, cache, histories, rng, max_chunk=3 * cfg.page_size)
+    assert rounds >= 2
+    assert cache.stats().tokens_reused > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_parity_under_eviction_offload_and_reload(page_size):
+    cfg = tiny_config()
+    model = sensitive_model(cfg, 1)
+    rng = np.random.default_rng(page_size)
+    histories = random_histories(rng, 8, (10, 60), cfg)
+    # A device pool far below the working set: serving forces evictions and reloads.
+    cache = make_cache(cfg, num_pages=(3 * 64 + 24) // page_size + 8, page_size=page_size)
+    replay_and_compare(model, cache, histories, rng, max_chunk=20, between_rounds=shuffle_tiers)
+    stats = cache.stats()
+    assert stats.device_evictions > 0 and stats.onloaded_bytes > 0
+
+
+def test_parity_across_window_restarts():
+    cfg = tiny_config(max_seq_len=40, window_stride=8)  # 3 prefix tokens + 37 events per window
+    model = sensitive_model(cfg, 2)
+    rng = np.random.default_rng(2)
+    histories = random_histories(rng, 4, (90, 130), cfg)
+    cache = make_cache(cfg, num_pages=200)
+    replay_and_compare(model, cache, histories, rng, max_chunk=12)
+    assert any(int(model.layout.window_start(np.array([len(h.video_ids)]))[0]) > 0 for h in histories.values())
+
+
+def test_bf16_within_documented_tolerance_of_fp32():
+    cfg = tiny_config()
+    model = sensitive_model(cfg, 3)
+    rng = np.random.default_rng(3)
+    histories = random_histories(rng, 4, (30, 50), cfg)
+    model_bf16 = sensitive_model(cfg, 3).to(torch.bfloat16)
+    cache = make_cache(cfg, num_pages=200, dtype=torch.bfloat16)
+    for end in (10, 25, 30):
+        visits = [Visit(u, end, random_candidates(rng, 4)) for u in histories]
+        cached_bf16 = serve(model_bf16, cache, histories, visits)
+        full_fp32 = serve(model, None, histories, visits)
+        # bf16 keeps 8 mantissa bits: documented tolerance is 5% of the logit scale.
+        assert_logits_close(cached_bf16, full_fp32, rel=5e-2)
+
+
+def test_corrupted_cache_is_caught_by_parity():
+    """The comparison has teeth: one changed cached key moves the logits past tolerance."""
+    cfg = tiny_config()
+    model = sensitive_model(cfg, 4)
+    rng = np.random.default_rng(4)
+    histories = random_histories(rng, 1, 30, cfg)
+    cache = make_cache(cfg)
+    cands = random_candidates(rng, 4)
+    serve(model, cache, histories, [Visit(0, 20, cands)])
+    meta = cache.prepare_kv_cache([0], [cfg.num_prefix_tokens + 20], [0])  # where the cached tokens live
+    cache.rollback(meta)
+    cache.k_cache(0).view(-1, cfg.num_heads, cfg.head_dim)[meta.kv_slots[5]] += 1.0
+    visits = [Visit(0, 30, cands)]
+    with pytest.raises(AssertionError, match="max \\|cached - full\\|"):
+        assert_logits_close(serve(model, cache, histories, visits), serve(model, None, histories, visits))
