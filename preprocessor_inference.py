@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         manifest = preprocess(args.data_dir, args.output_dir, params, progress=not args.no_progress)
-    except ValueError as err:  # RawDataError is a ValueError
+    except (ValueError, OSError) as err:  # RawDataError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 1
     c = manifest.counts

@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--max_requests", type=int, default=None)
     p.add_argument("--kv_pages", type=int, default=None,
-                   help="device pages (default: a quarter of the replayed users' working set)")
+                   help="device pages (default: a quarter of the replayed users' working set, "
+                        "at least a batch of the largest windows)")
     p.add_argument("--host_capacity", type=int, default=None,
                    help="host tier bytes (default: room for every replayed user)")
     p.add_argument("--page_size", type=int, default=None, help="tokens per page (default: the model's)")
@@ -82,15 +83,17 @@ def load_model(args: argparse.Namespace, dataset: InferenceDataset) -> HSTURecom
     return model.to(DTYPES[args.dtype]).eval()
 
 
-def working_set_pages(model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray, page_size: int) -> int:
-    """Pages needed to keep every replayed user's largest window on the device at once."""
+def working_set_pages(model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray,
+                      page_size: int) -> tuple[int, int]:
+    """-> (pages to keep every replayed user's largest window on the device at once,
+           pages of the largest single window)."""
     ends = dataset.requests.end[indices]
     users = dataset.requests.user_id[indices]
-    tokens = model.layout.window_tokens(ends)
+    pages = -(-model.layout.window_tokens(ends) // page_size)
     largest = {}
-    for u, t in zip(users.tolist(), tokens.tolist()):
-        largest[u] = max(largest.get(u, 0), t)
-    return sum(math.ceil(t / page_size) for t in largest.values())
+    for u, n in zip(users.tolist(), pages.tolist()):
+        largest[u] = max(largest.get(u, 0), n)
+    return sum(largest.values()), max(largest.values())
 
 
 def warmup_batches(dataset: InferenceDataset, indices: np.ndarray, from_ms: int, batch_size: int) -> list[np.ndarray]:
@@ -105,11 +108,14 @@ def warmup_batches(dataset: InferenceDataset, indices: np.ndarray, from_ms: int,
     return list(dataset.batches(last, batch_size))
 
 
-def make_cache(args: argparse.Namespace, model: HSTURecommender, pages_needed: int, page_size: int) -> KVCacheManager:
+def make_cache(args: argparse.Namespace, model: HSTURecommender, working_set: int, largest_window: int,
+               page_size: int) -> KVCacheManager:
+    """By default the device pool holds a quarter of the working set (so users are evicted and
+    reloaded) but always at least one full batch of the largest windows."""
     cfg = model.config
-    num_pages = args.kv_pages or max(1, pages_needed // 4)
+    num_pages = args.kv_pages or max(working_set // 4, args.batch_size * largest_window)
     bytes_per_page = 2 * cfg.num_layers * page_size * cfg.num_heads * cfg.head_dim * DTYPES[args.dtype].itemsize
-    host_capacity = args.host_capacity or int(pages_needed * bytes_per_page * 1.25) + bytes_per_page
+    host_capacity = args.host_capacity or int(working_set * bytes_per_page * 1.5) + bytes_per_page
     return KVCacheManager(KVCacheConfig(
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=page_size,
         num_pages=num_pages, dtype=DTYPES[args.dtype], device=args.device, host_capacity_bytes=host_capacity,
@@ -117,7 +123,8 @@ def make_cache(args: argparse.Namespace, model: HSTURecommender, pages_needed: i
     ))
 
 
-def plot(passes: list[ReplayPass], path: Path) -> None:
+def plot(passes: list[ReplayPass], path: Path, batch_size: int) -> None:
+    """Batch latency against the batch's history length (per request when batch_size is 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,12 +132,13 @@ def plot(passes: list[ReplayPass], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for p, color in zip(passes, ("tab:blue", "tab:red")):
-        ax.scatter(p.history_lengths, p.request_latency_ms, s=6, alpha=0.5, color=color,
-                   label=f"{p.name} (p50 {np.median(p.request_latency_ms):.1f} ms)")
-    ax.set_xlabel("history length at the visit (events)")
-    ax.set_ylabel("batch latency per request (ms)")
+        ax.scatter(p.batch_history_lengths, p.batch_latency_ms, s=6, alpha=0.5, color=color,
+                   label=f"{p.name} (p50 {np.median(p.batch_latency_ms):.1f} ms per batch)")
+    unit = "visit" if batch_size == 1 else f"batch of up to {batch_size} visits"
+    ax.set_xlabel(f"history length (events, summed over the {unit})")
+    ax.set_ylabel(f"latency per {unit} (ms)")
     ax.set_yscale("log")
-    ax.set_title("Visit latency vs history length: KV cache vs full recompute")
+    ax.set_title("Serving latency vs history length: KV cache vs full recompute")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -155,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no visits in {args.data_dir} on or after {args.from_date}", file=sys.stderr)
         return 2
     page_size = args.page_size or model.config.page_size
-    pages_needed = working_set_pages(model, dataset, indices, page_size)
-    cache = make_cache(args, model, pages_needed, page_size)
+    pages_needed, largest_window = working_set_pages(model, dataset, indices, page_size)
+    cache = make_cache(args, model, pages_needed, largest_window, page_size)
     batches = list(dataset.batches(indices, args.batch_size))
     log.info("replaying %d visits of %d users in %d batches; device pool %d pages for a working set of %d pages",
              len(indices), len(np.unique(dataset.requests.user_id[indices])), len(batches),
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     plot_path = Path(args.plot) if args.plot else output.with_suffix(".png")
-    plot(passes, plot_path)
+    plot(passes, plot_path, args.batch_size)
     report["plot"] = str(plot_path)
     output.write_text(json.dumps(report, indent=2, default=_json_default))
     print_summary(report, passes, task_names)

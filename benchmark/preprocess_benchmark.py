@@ -46,8 +46,8 @@ print(time.perf_counter() - start)
 """
 
 
-def run_child(command: list[str]) -> tuple[float, int, str]:
-    """Run a child process -> (wall seconds, its peak RSS in bytes, stdout); raises on failure.
+def run_child(command: list[str]) -> tuple[float, float, int, str]:
+    """Run a child -> (wall s, CPU s (user + sys), peak RSS bytes, stdout); raises on failure.
     The child is reaped with os.wait4, whose rusage belongs to that child alone."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
@@ -59,7 +59,8 @@ def run_child(command: list[str]) -> tuple[float, int, str]:
         err.seek(0)
         if child.returncode != 0:
             raise RuntimeError(f"{' '.join(command[:3])} failed ({child.returncode}):\n{err.read()}")
-        return wall, usage.ru_maxrss * 1024, out.read()  # Linux reports ru_maxrss in KiB
+        cpu = usage.ru_utime + usage.ru_stime
+        return wall, cpu, usage.ru_maxrss * 1024, out.read()  # Linux reports ru_maxrss in KiB
 
 
 def ensure_data(args: argparse.Namespace) -> Path:
@@ -68,12 +69,14 @@ def ensure_data(args: argparse.Namespace) -> Path:
     data_dir = args.work_dir / "KuaiRand-1K" / "data"
     marker = args.work_dir / "synthetic.json"
     wanted = {"scale": args.scale, "seed": args.seed}
-    if marker.is_file() and json.loads(marker.read_text()) == wanted and all((data_dir / f).is_file() for f in READ_FILES):
+    present = all((data_dir / f).is_file() for f in READ_FILES)
+    if present and marker.is_file() and json.loads(marker.read_text()) == wanted:
         print(f"reusing {data_dir}", file=sys.stderr)
         return data_dir
     print(f"generating scale {args.scale} into {data_dir}", file=sys.stderr)
     marker.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "data.synthetic", "--out", str(data_dir), "--scale", str(args.scale), "--seed", str(args.seed)]
+    command = [sys.executable, "-m", "data.synthetic", "--out", str(data_dir),
+               "--scale", str(args.scale), "--seed", str(args.seed)]  # fmt: skip
     subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     marker.write_text(json.dumps(wanted))
     return data_dir
@@ -98,14 +101,16 @@ def main(argv: list[str] | None = None) -> int:
                 pass
 
     load_before = os.getloadavg()
-    read_s, read_rss, prep_s, prep_call_s, prep_rss = [], [], [], [], []
+    read_s, read_cpu, read_rss, prep_s, prep_call_s, prep_cpu, prep_rss = [], [], [], [], [], [], []
     for _ in range(args.repeats):
-        _, rss, stdout = run_child([sys.executable, "-c", _READ_CHILD, *files])
+        _, cpu, rss, stdout = run_child([sys.executable, "-c", _READ_CHILD, *files])
         read_s.append(float(stdout.split()[0]))
+        read_cpu.append(cpu)
         read_rss.append(rss)
-        wall, rss, stdout = run_child([sys.executable, "-c", _PREPROCESS_CHILD, str(data_dir), str(out_dir)])
+        wall, cpu, rss, stdout = run_child([sys.executable, "-c", _PREPROCESS_CHILD, str(data_dir), str(out_dir)])
         prep_s.append(wall)
         prep_call_s.append(float(stdout.split()[0]))
+        prep_cpu.append(cpu)
         prep_rss.append(rss)
     manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
     ratio = min(prep_s) / min(read_s)
@@ -115,15 +120,22 @@ def main(argv: list[str] | None = None) -> int:
         "rows_read": manifest["counts"]["rows_read"],
         "input_bytes": sum(os.path.getsize(f) for f in files),
         "read_csv_s": read_s,
+        "read_csv_process_cpu_s": read_cpu,  # whole child, both cores counted
         "read_csv_peak_rss_bytes": max(read_rss),
         "preprocess_s": prep_s,  # whole child process: interpreter start, imports, work
         "preprocess_call_s": prep_call_s,  # the preprocess() call alone (imports included)
+        "preprocess_process_cpu_s": prep_cpu,
         "preprocess_peak_rss_bytes": max(prep_rss),
         "ratio": ratio,
         "meets_ratio_target": ratio <= TARGET_RATIO,
         "meets_memory_target": max(prep_rss) <= TARGET_PEAK_BYTES,
         "counts": manifest["counts"],
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
     }
     output = args.output or args.work_dir / "results.json"
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,8 @@ class InferenceDataset:
         self.manifest = Manifest.read(self.root / schema.MANIFEST_FILE)
         sequences = pq.read_table(self._file(schema.SEQUENCES_FILE))
         requests = pq.read_table(self._file(schema.REQUESTS_FILE))
-        self._check_columns(schema.SEQUENCES_FILE, sequences, ("user_id", *schema.SEQUENCE_LIST_COLUMNS, *self.manifest.user_feature_names))
+        sequence_columns = ("user_id", *schema.SEQUENCE_LIST_COLUMNS, *self.manifest.user_feature_names)
+        self._check_columns(schema.SEQUENCES_FILE, sequences, sequence_columns)
         self._check_columns(schema.REQUESTS_FILE, requests, schema.REQUEST_COLUMNS)
 
         self.user_ids = sequences.column("user_id").to_numpy()  # [U] ascending
@@ -114,7 +115,9 @@ class InferenceDataset:
         starts = np.asarray(starts, dtype=np.int64).reshape(-1)  # [B]
         window_starts = np.asarray(window_starts, dtype=np.int64).reshape(-1)  # [B]
         if not len(idx) == len(starts) == len(window_starts):
-            raise ValueError(f"indices, starts and window_starts differ in length: {len(idx)}, {len(starts)}, {len(window_starts)}")
+            raise ValueError(
+                f"indices, starts and window_starts differ in length: {len(idx)}, {len(starts)}, {len(window_starts)}"
+            )
         if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"request index out of range [0, {len(self)}): {idx[(idx < 0) | (idx >= len(self))][0]}")
         req = self.requests

@@ -180,12 +180,16 @@ def duplicate_mask(
     g, v = group[multi], video_id[multi]
     v0 = int(v.min())
     group_bits, video_bits = int(g[-1]).bit_length(), (int(v.max()) - v0).bit_length()
-    if group_bits + video_bits <= 63:
-        by_key = np.argsort((g << video_bits) | (v - v0), kind="stable")
+    if group_bits + video_bits <= 63:  # (group, video) packed into one key
+        key = (g << video_bits) | (v - v0)
+        by_key = np.argsort(key, kind="stable")
+        key = key[by_key]
+        same_gv = key[1:] == key[:-1]
     else:
         by_key = np.lexsort((v, g))
+        g, v = g[by_key], v[by_key]
+        same_gv = (g[1:] == g[:-1]) & (v[1:] == v[:-1])
     rows = multi[by_key]
-    same_gv = (group[rows[1:]] == group[rows[:-1]]) & (video_id[rows[1:]] == video_id[rows[:-1]])
     earlier, later = rows[:-1][same_gv], rows[1:][same_gv]
     equal = np.ones(len(later), dtype=bool)
     for column in rest:
@@ -205,13 +209,13 @@ def duplicate_mask(
     return dup
 
 
-def _odd_rows(logs: RawLogs, rows: np.ndarray) -> tuple[int, int]:
-    """(duration_ms <= 0, long_view rule mismatch) counts over input `rows`; the rule is
+def _odd_rows(logs: RawLogs, rows: np.ndarray | slice) -> np.ndarray:
+    """[duration_ms <= 0, long_view rule mismatch] counts over input `rows`; the rule is
     judged only where duration_ms > 0: long_view == (play_time_ms >= min(duration_ms, 18 s))."""
     duration, play = logs.rest["duration_ms"][rows], logs.rest["play_time_ms"][rows]
     reach = play >= np.minimum(duration, schema.LONG_VIEW_CAP_MS)
     mismatch = (duration > 0) & (reach != (logs.long_view[rows] == 1))
-    return int((duration <= 0).sum()), int(mismatch.sum())
+    return np.array([np.count_nonzero(duration <= 0), np.count_nonzero(mismatch)])
 
 
 def _sort_and_dedup(logs: RawLogs, paths: list[Path]) -> tuple[Events, dict[str, object]]:
@@ -227,7 +231,7 @@ def _sort_and_dedup(logs: RawLogs, paths: list[Path]) -> tuple[Events, dict[str,
     user_index = np.cumsum(new_user) - 1
     num_users = int(user_index[-1]) + 1
     users_in_file = [np.bincount(user_index[file_of_row == f], minlength=num_users) > 0 for f in range(len(paths))]
-    nonpositive, mismatch = _odd_rows(logs, kept)
+    nonpositive, mismatch = _odd_rows(logs, slice(None)) - _odd_rows(logs, order[dup])  # kept rows
 
     events = Events(
         user_ids=user[new_user],

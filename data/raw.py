@@ -20,7 +20,7 @@ from data import schema
 
 
 class RawDataError(ValueError):
-    """Invalid raw input. `str(err)` reads '<file>: column '<col>', line <n>: <problem>'."""
+    """Invalid raw input; `str(err)` reads "<file>: column '<col>': line <n>: <problem>"."""
 
     def __init__(self, path: Path | str, problem: str, column: str | None = None, line: int | None = None):
         where = [str(path)]
@@ -86,7 +86,7 @@ def read_columns(path: Path, column_types: dict[str, pa.DataType]) -> pa.Table:
 
 def read_log(path: Path) -> pa.Table:
     """One interaction log (all 19 int64 columns), checked: ids >= 0, action flags in {0, 1}."""
-    table = read_columns(path, {c: pa.int64() for c in schema.LOG_COLUMNS})
+    table = read_columns(path, {c: pa.from_numpy_dtype(schema.LOG_DTYPE) for c in schema.LOG_COLUMNS})
     if table.num_rows == 0:
         return table
     for name in (*schema.LOG_ID_COLUMNS, *schema.ACTION_COLUMNS):  # one min/max pass per column

@@ -41,7 +41,8 @@ class RequestTable:
 
     @classmethod
     def from_arrow(cls, table: pa.Table) -> "RequestTable":
-        return cls(**{name: table.column(name).to_numpy().astype(np.int64, copy=False) for name in schema.REQUEST_COLUMNS})
+        columns = {name: table.column(name).to_numpy() for name in schema.REQUEST_COLUMNS}
+        return cls(**{name: values.astype(np.int64, copy=False) for name, values in columns.items()})
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ LOG_COLUMNS = (
     "long_view", "play_time_ms", "duration_ms", "profile_stay_time",
     "comment_stay_time", "is_profile_enter", "is_rand", "tab",
 )  # fmt: skip
+LOG_DTYPE = np.dtype(np.int64)  # of every log column
 LOG_ID_COLUMNS = ("user_id", "video_id")  # must be >= 0
 
 # The video feature files are not read by the pipeline. These headers are the

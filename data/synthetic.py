@@ -9,7 +9,8 @@ timestamp, separated by hours), heavy-tailed users and items, the published posi
 rates, the long_view rule, the tab mix, ~8% duration_ms <= 0, exact duplicate rows and
 a little time disorder. It plants a learnable signal: videos belong to clusters, each
 user has a taste over clusters (a Dirichlet draw), exposure leans towards the taste and
-the action probabilities rise with the user's taste for the video's cluster.
+the action probabilities rise with the user's taste for the video's cluster and with a
+per-user propensity (some users click far more than others, as in the real logs).
 
 Scale rule: users = 1000 * sqrt(scale) and events per user = 11,713 * sqrt(scale), so
 the row count is 11.7M * scale while every user keeps many visits (scale 0.006 gives
@@ -66,6 +67,7 @@ class SyntheticConfig:
     taste_exposure: float = 0.7  # share of exposures drawn from the user's taste
     popularity_exponent: float = 2.0  # within-cluster rank = size * u**exponent (heavy head)
     signal_strength: float = 0.8  # logit slope in log(num_clusters * taste)
+    user_propensity_std: float = 1.0  # per-user action logit offset: some users click far more than others
     # standard-log positive rates, in schema.TASKS order
     rates: tuple[float, ...] = (0.378, 0.0156, 0.0010, 0.0030, 0.0020, 0.0005, 0.262, 0.0179)
     long_view_click_share: float = 0.993  # of long views that also have a click
@@ -108,10 +110,10 @@ def generate(
     bar.update()
     random_log = _random_events(rng, world, scale, config)
     bar.update()
-    early = standard["date"] <= schema.EARLY_DATES[1]
+    early = standard["date"] <= schema.EARLY_DATES[1]  # split by date, as in the real files
     rows = {
-        schema.LOG_STANDARD_EARLY: _write_log(out / schema.LOG_STANDARD_EARLY, {k: v[early] for k, v in standard.items()}),
-        schema.LOG_STANDARD_LATE: _write_log(out / schema.LOG_STANDARD_LATE, {k: v[~early] for k, v in standard.items()}),
+        schema.LOG_STANDARD_EARLY: _write_log(out / schema.LOG_STANDARD_EARLY, standard, early),
+        schema.LOG_STANDARD_LATE: _write_log(out / schema.LOG_STANDARD_LATE, standard, ~early),
         schema.LOG_RANDOM: _write_log(out / schema.LOG_RANDOM, random_log),
     }
     bar.update()
@@ -138,6 +140,7 @@ class _World:
     video_of_index: np.ndarray  # [V] cluster-major index -> video_id (a random permutation)
     video_cluster: np.ndarray  # [V] video_id -> cluster
     video_duration_ms: np.ndarray  # [V] intrinsic duration by video_id
+    propensity: np.ndarray  # [U] user's action offset, in affinity units
 
     @classmethod
     def draw(cls, rng: np.random.Generator, scale: float, cfg: SyntheticConfig) -> "_World":
@@ -156,17 +159,22 @@ class _World:
         video_cluster = np.empty(num_videos, dtype=np.int64)
         video_cluster[video_of_index] = np.repeat(np.arange(cfg.num_clusters), sizes)
         duration = np.clip(rng.lognormal(np.log(25_000), 0.8, num_videos), 3_000, 600_000).astype(np.int64)
+        propensity = rng.normal(0.0, cfg.user_propensity_std / cfg.signal_strength, num_users)
         return cls(
             num_users, num_videos, events, np.where(late, _LATE_DAY, 0), taste, cluster_share, offset,
-            video_of_index, video_cluster, duration,
+            video_of_index, video_cluster, duration, propensity,
         )
 
     def affinity(self, user: np.ndarray, video: np.ndarray) -> np.ndarray:
-        """[N] log(K * taste of the user for the video's cluster), clipped: 0 = indifferent."""
+        """[N] the user's propensity plus log(K * taste of the user for the video's cluster),
+        the latter clipped: 0 = an average user, indifferent to the cluster."""
         k = self.taste.shape[1]
-        return np.clip(np.log(k * self.taste[user, self.video_cluster[video]] + 1e-12), -4.0, 3.0)
+        taste = np.clip(np.log(k * self.taste[user, self.video_cluster[video]] + 1e-12), -4.0, 3.0)
+        return taste + self.propensity[user]
 
-    def sample_videos(self, rng: np.random.Generator, user: np.ndarray, taste_exposure: float, exponent: float) -> np.ndarray:
+    def sample_videos(
+        self, rng: np.random.Generator, user: np.ndarray, taste_exposure: float, exponent: float
+    ) -> np.ndarray:
         """[N] users -> [N] video ids: cluster from the user's taste (or the global mix), then a
         heavy-headed rank inside the cluster."""
         n, (num_users, k) = len(user), self.taste.shape
@@ -192,6 +200,10 @@ def _standard_events(rng: np.random.Generator, world: _World, cfg: SyntheticConf
     s_user = np.repeat(np.arange(world.num_users), per_user)
     first_day = world.first_day[s_user]
     day = first_day + (rng.random(len(s_user)) * (_NUM_DAYS - first_day)).astype(np.int64)
+    # Every user is active in the late log (as all 1,000 real users are): its last session
+    # falls on a late day.
+    last = np.cumsum(per_user) - 1
+    day[last] = np.maximum(day[last], _LATE_DAY + rng.integers(0, _NUM_DAYS - _LATE_DAY, len(last)))
     hour = rng.choice(24, size=len(s_user), p=_DIURNAL / _DIURNAL.sum())
     s_start = _T0 + day * schema.DAY_MS + hour * 3_600_000 + rng.integers(0, 3_600_000, len(s_user))
     order = np.lexsort((s_start, s_user))
@@ -226,7 +238,9 @@ def _standard_events(rng: np.random.Generator, world: _World, cfg: SyntheticConf
     return _disorder(rng, log, cfg)
 
 
-def _random_events(rng: np.random.Generator, world: _World, scale: float, cfg: SyntheticConfig) -> dict[str, np.ndarray]:
+def _random_events(
+    rng: np.random.Generator, world: _World, scale: float, cfg: SyntheticConfig
+) -> dict[str, np.ndarray]:
     """The random log: uniformly exposed videos, late dates only, one item per screen."""
     n = max(1, round(cfg.random_rows * scale))
     user = rng.integers(0, world.num_users, n)
@@ -241,7 +255,9 @@ def _random_events(rng: np.random.Generator, world: _World, scale: float, cfg: S
     return _assemble(rng, world, user, video, time_ms, actions, _tabs(rng, n, cfg), is_rand=1, cfg=cfg)
 
 
-def _actions(rng: np.random.Generator, z: np.ndarray, rates: tuple[float, ...], cfg: SyntheticConfig) -> dict[str, np.ndarray]:
+def _actions(
+    rng: np.random.Generator, z: np.ndarray, rates: tuple[float, ...], cfg: SyntheticConfig
+) -> dict[str, np.ndarray]:
     """[N] affinities -> the 8 action flags. Click, and given a click long_view, like, follow,
     comment, forward and profile_enter, rise with affinity; hate falls with it. Intercepts
     are calibrated so each overall rate matches `rates`."""
@@ -342,8 +358,9 @@ def _intercept(z: np.ndarray, slope: float, target: float) -> float:
 
 
 # ---------------------------------------------------------------- writing
-def _write_log(path: Path, log: dict[str, np.ndarray]) -> int:
-    table = pa.table({name: pa.array(log[name], pa.int64()) for name in schema.LOG_COLUMNS})
+def _write_log(path: Path, log: dict[str, np.ndarray], rows: np.ndarray | None = None) -> int:
+    pick = slice(None) if rows is None else rows
+    table = pa.table({name: pa.array(log[name][pick], pa.int64()) for name in schema.LOG_COLUMNS})
     _write_csv(path, table)
     return table.num_rows
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Callable, NamedTuple
+from typing import Callable, Collection, NamedTuple
 
 import torch
 from torch import Tensor
@@ -81,17 +81,24 @@ class HostKVStorage(ABC):
 
     @abstractmethod
     def read(self, user_id: int) -> HostPages | None:
-        """The user's pages, or None. Marks the user recently used."""
+        """The user's pages, or None. Marks the user recently used.
+
+        The pages may be a view of the tier's memory: valid until the next call to the storage.
+        """
 
     @abstractmethod
-    def write(self, user_id: int, start_pos: int, length: int, first_page: int, fill: PageFill) -> HostWriteResult:
+    def write(
+        self, user_id: int, start_pos: int, length: int, first_page: int, fill: PageFill,
+        protect: Collection[int] = (),
+    ) -> HostWriteResult:
         """Store pages `[first_page, ceil(length / page_size))` of the user, keeping pages before `first_page`.
 
         `first_page > 0` requires an entry with the same `start_pos` holding at least
         `first_page` pages (a ValueError otherwise: the caller's bookkeeping is wrong).
         `fill(dst)` writes the pages into `dst` ([k, *page_shape] on the host). The tier may
-        drop other users (never `user_id`) to make room and says which; a user larger than
-        the whole tier is not stored (`stored=False`, entry unchanged). If `fill` raises, the
+        drop other users to make room and says which, but never `user_id` nor the users in
+        `protect` (the caller is about to read them). A user that does not fit beside the
+        protected ones is not stored (`stored=False`, nothing changed). If `fill` raises, the
         user's entry is dropped (it may be half-written) and the exception propagates.
         """
 
@@ -109,14 +116,27 @@ class _Entry:
         self.buffer = buffer  # [capacity_pages, *page_shape]; pages [0, ceil(length / S)) are valid
 
 
+def size_class(pages: int) -> int:
+    """Round a buffer size up to 4 classes per octave (<= 25% slack), so that freed buffers get reused."""
+    if pages <= 4:
+        return pages
+    step = 1 << (pages.bit_length() - 3)
+    return -(-pages // step) * step
+
+
 class InMemoryHostStorage(HostKVStorage):
     """Host RAM tier bounded by `capacity_bytes`, with its own LRU over users.
 
     Each user has one contiguous page-major buffer, so an offload or onload of a user is one
-    copy into or out of it. Buffers grow geometrically when there is free room (appends after
-    each visit then cost amortised O(new pages)), exactly otherwise. `bytes_used` counts
-    allocated buffers. Buffers are pinned when `pin_memory` (CUDA devices) so that copies
-    can be asynchronous.
+    copy into or out of it. Buffer sizes come in classes (4 per octave) and grow geometrically
+    when there is room, so appends after each visit cost amortised O(new pages).
+
+    Memory: pageable buffers of dropped users are kept (within the capacity) and reused for
+    later writes of the same size class: a tier at capacity then recycles warm memory instead
+    of faulting fresh pages in at every write. Pinned buffers (`pin_memory`, for CUDA devices)
+    are returned to torch's caching host allocator instead, which recycles them and also knows
+    when in-flight asynchronous copies still use them. `bytes_used` counts the buffers of
+    stored users; idle buffers count against the capacity too and are released first.
     """
 
     def __init__(self, capacity_bytes: int, pin_memory: bool = False) -> None:
@@ -125,7 +145,9 @@ class InMemoryHostStorage(HostKVStorage):
         self._capacity = int(capacity_bytes)
         self._pin = bool(pin_memory)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
-        self._bytes = 0
+        self._live = 0  # bytes of stored users' buffers
+        self._idle: dict[int, list[Tensor]] = {}  # capacity in pages -> reusable buffers
+        self._idle_bytes = 0
 
     @property
     def capacity_bytes(self) -> int:
@@ -133,7 +155,7 @@ class InMemoryHostStorage(HostKVStorage):
 
     @property
     def bytes_used(self) -> int:
-        return self._bytes
+        return self._live
 
     @property
     def num_users(self) -> int:
@@ -150,7 +172,10 @@ class InMemoryHostStorage(HostKVStorage):
         self._entries.move_to_end(user_id)
         return HostPages(e.start_pos, e.length, e.buffer[: self.layout.num_pages(e.length)])
 
-    def write(self, user_id: int, start_pos: int, length: int, first_page: int, fill: PageFill) -> HostWriteResult:
+    def write(
+        self, user_id: int, start_pos: int, length: int, first_page: int, fill: PageFill,
+        protect: Collection[int] = (),
+    ) -> HostWriteResult:
         layout = self.layout
         num_pages = layout.num_pages(length)
         if length <= 0 or not 0 <= first_page < num_pages:
@@ -161,27 +186,30 @@ class InMemoryHostStorage(HostKVStorage):
             raise ValueError(
                 f"User {user_id}: writing from page {first_page} at start {start_pos} would leave a gap; host holds {held}."
             )
-        if num_pages * layout.page_nbytes > self._capacity:
-            return HostWriteResult(False, ())
-
         evicted: tuple[tuple[int, HostEntry], ...] = ()
         if old is not None and old.buffer.shape[0] >= num_pages:
             buffer = old.buffer  # rewrite in place
         else:
+            pinned = sum(self._entries[u].buffer.nbytes for u in set(protect) if u != user_id and u in self._entries)
+            room = self._capacity - pinned  # what this user may occupy
+            if num_pages * layout.page_nbytes > room:
+                return HostWriteResult(False, ())
             old_bytes = 0 if old is None else old.buffer.nbytes
-            capacity_pages = num_pages
+            pages = size_class(num_pages)
             if old is not None:  # grow geometrically when that needs no eviction
-                grown = max(num_pages, 2 * old.buffer.shape[0])
-                if self._bytes - old_bytes + grown * layout.page_nbytes <= self._capacity:
-                    capacity_pages = grown
-            evicted = self._make_room(capacity_pages * layout.page_nbytes - old_bytes, keep=user_id)
-            buffer = torch.empty((capacity_pages, *layout.page_shape), dtype=layout.dtype, pin_memory=self._pin)
-            if old is not None and first_page > 0:
-                buffer[:first_page].copy_(old.buffer[:first_page])
-            self._bytes += buffer.nbytes - old_bytes
+                grown = size_class(max(num_pages, 2 * old.buffer.shape[0]))
+                if self._live - old_bytes + grown * layout.page_nbytes <= self._capacity:
+                    pages = grown
+            if pages * layout.page_nbytes > room:
+                pages = num_pages
+            buffer, evicted = self._take(pages, old_bytes, keep={user_id, *protect})
             if old is None:
                 old = self._entries[user_id] = _Entry(start_pos, 0, buffer)
-            old.buffer = buffer
+            else:
+                if first_page > 0:
+                    buffer[:first_page].copy_(old.buffer[:first_page])
+                self._release(old.buffer)
+                old.buffer = buffer
         try:
             fill(buffer[first_page:num_pages])
         except BaseException:
@@ -195,15 +223,45 @@ class InMemoryHostStorage(HostKVStorage):
         e = self._entries.pop(user_id, None)
         if e is None:
             return False
-        self._bytes -= e.buffer.nbytes
+        self._release(e.buffer)
         return True
 
-    def _make_room(self, nbytes: int, keep: int) -> tuple[tuple[int, HostEntry], ...]:
-        """Drop least recently used users other than `keep` until `nbytes` more fit."""
+    def _take(self, pages: int, credit: int, keep: set[int]) -> tuple[Tensor, tuple[tuple[int, HostEntry], ...]]:
+        """A buffer of `pages` pages, counted as live: an idle one of that size, or a new one once there is room.
+
+        Room is made by releasing idle buffers, then by evicting least recently used users not in
+        `keep`. `credit`: live bytes about to be released by the caller (the buffer being replaced).
+        """
         evicted = []
-        while self._bytes + nbytes > self._capacity:
-            victim = next(u for u in self._entries if u != keep)  # exists: the write fits in the whole tier
+        nbytes = pages * self.layout.page_nbytes
+        while True:
+            if pages in self._idle:
+                buffer = self._pop_idle(pages)
+                break
+            if self._live - credit + self._idle_bytes + nbytes <= self._capacity:
+                buffer = torch.empty((pages, *self.layout.page_shape), dtype=self.layout.dtype, pin_memory=self._pin)
+                break
+            if self._idle:
+                self._pop_idle(max(self._idle))  # released to the allocator
+                continue
+            victim = next(u for u in self._entries if u not in keep)  # exists: the caller checked the room
             e = self._entries[victim]
             evicted.append((victim, HostEntry(e.start_pos, e.length)))
             self.drop(victim)
-        return tuple(evicted)
+        self._live += nbytes
+        return buffer, tuple(evicted)
+
+    def _pop_idle(self, pages: int) -> Tensor:
+        buffers = self._idle[pages]
+        buffer = buffers.pop()
+        if not buffers:
+            del self._idle[pages]
+        self._idle_bytes -= buffer.nbytes
+        return buffer
+
+    def _release(self, buffer: Tensor) -> None:
+        """A buffer leaves a user: keep it for reuse while it fits in the capacity (pageable memory only)."""
+        self._live -= buffer.nbytes
+        if not self._pin and self._live + self._idle_bytes + buffer.nbytes <= self._capacity:
+            self._idle.setdefault(buffer.shape[0], []).append(buffer)
+            self._idle_bytes += buffer.nbytes

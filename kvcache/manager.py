@@ -22,7 +22,7 @@ import operator
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 import torch
@@ -154,6 +154,8 @@ class KVCacheManager:
         """
         with self._lock:
             plan = self._refusing(self._plan_prepare, user_ids, start_pos, new_lengths)
+            if plan.pages_needed > self._pool.num_free:
+                self._evict_for(plan.pages_needed, batch=set(plan.user_ids), protect=plan.on_host.keys())
             host_pages = self._refusing(self._read_host, plan)
             return self._execute(plan, host_pages)
 
@@ -177,12 +179,14 @@ class KVCacheManager:
         """
         with self._lock:
             pending = self._refusing(self._take_pending, meta)
+            freed: list[int] = []
             for u, kept, created in zip(pending.user_ids, pending.kept_pages, pending.created):
                 res = self._users[u]
-                self._pool.free(res.pages[kept:])
+                freed += res.pages[kept:]
                 del res.pages[kept:]
                 if created:
                     self._drop_resident(u)
+            self._pool.free(freed)
             for u, end in pending.tombstones.items():
                 if u not in self._users:
                     self._lost[u] = end
@@ -354,7 +358,8 @@ class KVCacheManager:
         return _Plan(users, starts, news, on_host, need)
 
     def _read_host(self, plan: _Plan) -> dict[int, HostPages]:
-        """Read the host data to onload before any eviction can push it out of the host tier."""
+        """Read what to onload. The in-memory tier keeps it (victims' offloads protected it); a tier
+        that loses data on its own may not, and then the batch is refused (after the evictions)."""
         out = {}
         for u, entry in plan.on_host.items():
             hp = self._host.read(u)
@@ -364,29 +369,37 @@ class KVCacheManager:
         return out
 
     def _execute(self, plan: _Plan, host_pages: dict[int, HostPages]) -> KVCacheMetadata:
-        if plan.pages_needed > self._pool.num_free:
-            self._evict_for(plan.pages_needed, batch=set(plan.user_ids))
         page_size = self._layout.page_size
+        users, policy, lost = self._users, self._policy, self._lost
+        fresh = self._pool.alloc(plan.pages_needed)  # one allocation for the batch, handed out in order
+        taken = 0
         kept, created, cached_start, cached_len, page_lists, tombstones = [], [], [], [], [], {}
         for u, start, new in zip(plan.user_ids, plan.start_pos, plan.new_lengths):
-            res = self._users.get(u)
-            is_new = False
+            res = users.get(u)
+            is_new = res is None and u not in host_pages
             if res is not None:
-                self._policy.touch(u)
-            elif u in host_pages:
-                res = self._onload(u, host_pages[u])
+                policy.touch(u)
+            elif is_new:
+                res = users[u] = _Resident(start, 0, [])
+                policy.add(u)
             else:
-                res = self._users[u] = _Resident(start, 0, [])
-                self._policy.add(u)
-                is_new = True
-            kept.append(len(res.pages))
+                hp = host_pages[u]
+                n = self._layout.num_pages(hp.length)
+                res = self._onload(u, hp, fresh[taken : taken + n])
+                taken += n
+            have = len(res.pages)
+            extra = -(-(res.length + new) // page_size) - have
+            if extra:
+                res.pages += fresh[taken : taken + extra]
+                taken += extra
+            kept.append(have)
             created.append(is_new)
-            res.pages.extend(self._pool.alloc(-(-(res.length + new) // page_size) - len(res.pages)))
             cached_start.append(res.start_pos)
             cached_len.append(res.length)
             page_lists.append(res.pages)
-            if u in self._lost:
-                tombstones[u] = self._lost.pop(u)
+            if u in lost:
+                tombstones[u] = lost.pop(u)
+        assert taken == len(fresh)
         prepare_id = next(_PREPARE_IDS)
         self._pending[prepare_id] = _Pending(tuple(plan.user_ids), plan.new_lengths, kept, created, tombstones)
         self._in_flight.update(plan.user_ids)
@@ -408,8 +421,11 @@ class KVCacheManager:
         del self._pending[meta.prepare_id]
         return pending
 
-    def _evict_for(self, pages_needed: int, batch: set[int]) -> None:
-        """Evict users (never the batch or users in flight) until `pages_needed` pages are free."""
+    def _evict_for(self, pages_needed: int, batch: set[int], protect: Collection[int]) -> None:
+        """Evict users (never the batch or users in flight) until `pages_needed` pages are free.
+
+        Victims are offloaded first; their host writes must not push `protect` out of the host.
+        """
         victims, free = [], self._pool.num_free
         for u in self._policy.order():
             if free >= pages_needed:
@@ -418,12 +434,12 @@ class KVCacheManager:
                 victims.append(u)
                 free += len(self._users[u].pages)
         for u in victims:
-            self._evict(u, offload=True)
+            self._evict(u, offload=True, protect=protect)
 
-    def _evict(self, u: int, offload: bool) -> None:
+    def _evict(self, u: int, offload: bool, protect: Collection[int] = ()) -> None:
         """Drop a resident user from the device, offloading first if asked (or if an async offload is pending)."""
         if offload or u in self._offload_requested:
-            self._offload(u)
+            self._offload(u, protect)
         res = self._users[u]
         self._drop_resident(u)
         self._counters["device_evictions"] += 1
@@ -436,15 +452,14 @@ class KVCacheManager:
         self._pool.free(res.pages)
         self._offload_requested.discard(u)
 
-    def _onload(self, u: int, hp: HostPages) -> _Resident:
-        pages = self._pool.alloc(self._layout.num_pages(hp.length))
+    def _onload(self, u: int, hp: HostPages, pages: list[int]) -> _Resident:
         self._pool.copy_in(pages, hp.pages)
         res = self._users[u] = _Resident(hp.start_pos, hp.length, pages)
         self._policy.add(u)
         self._counters["onloaded_bytes"] += len(pages) * self._layout.page_nbytes
         return res
 
-    def _offload(self, u: int) -> None:
+    def _offload(self, u: int, protect: Collection[int] = ()) -> None:
         """Make the host hold exactly the user's committed device data, writing only what it lacks."""
         self._offload_requested.discard(u)
         res = self._users.get(u)
@@ -454,11 +469,13 @@ class KVCacheManager:
         if h is not None and h.start_pos == res.start_pos and h.length == res.length:
             return
         if h is not None and h.start_pos == res.start_pos and h.length < res.length:
-            first = -(-h.length // self._layout.page_size)  # rewrite the partial last page, then the new ones
+            first = h.length // self._layout.page_size  # rewrite the partial last page, then the new ones
         else:
             first = 0
         pages = res.pages[first : self._layout.num_pages(res.length)]
-        result = self._host.write(u, res.start_pos, res.length, first, lambda dst: self._pool.copy_out(pages, dst))
+        result = self._host.write(
+            u, res.start_pos, res.length, first, lambda dst: self._pool.copy_out(pages, dst), protect=protect
+        )
         if result.stored:
             self._counters["offloaded_bytes"] += len(pages) * self._layout.page_nbytes
         else:

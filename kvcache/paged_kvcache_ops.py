@@ -55,12 +55,22 @@ def _rows(t: Tensor) -> Tensor:
     return t.view(-1, t.shape[-2], t.shape[-1])
 
 
-def _wide_rows(t: Tensor) -> Tensor | None:
-    """`t` (contiguous) as [rows, W] of 16-byte words, or None when a row is not a whole number of words."""
-    row_bytes = t.shape[-2] * t.shape[-1] * t.element_size()
-    if row_bytes % 16 or t.data_ptr() % 16:
-        return None
-    return t.reshape(-1, t.shape[-2] * t.shape[-1]).view(_WIDE)
+def as_words(*tensors: Tensor) -> tuple[Tensor, ...] | None:
+    """The tensors with their last dim seen as 16-byte words, or None unless all of them allow it.
+
+    CPU copies of whole rows (index_copy_, index_select) run element by element; as 16-byte
+    words they run at memcpy speed, bit-exact for any dtype. A tensor allows it when its last
+    dim is contiguous, a whole number of words, and its data is 16-byte aligned.
+    """
+    out = []
+    for t in tensors:
+        if t.dim() == 0 or t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
+            return None
+        try:
+            out.append(t.view(_WIDE))
+        except RuntimeError:  # strides or offset not in whole words
+            return None
+    return tuple(out)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::append_kvcache", mutates_args=("k_cache", "v_cache"))
@@ -75,12 +85,12 @@ def append_kvcache(k_cache: Tensor, v_cache: Tensor, new_k: Tensor, new_v: Tenso
 def _append_kvcache_cpu(k_cache: Tensor, v_cache: Tensor, new_k: Tensor, new_v: Tensor, new_token_slots: Tensor) -> None:
     _check_append(k_cache, v_cache, new_k, new_v, new_token_slots)
     for cache, new in ((k_cache, new_k), (v_cache, new_v)):
-        new = new.contiguous()
-        dst, src = _wide_rows(cache), _wide_rows(new)
-        if dst is None or src is None:
-            _rows(cache).index_copy_(0, new_token_slots, new)
-        else:
+        dst, src = _rows(cache), new.contiguous()
+        words = as_words(dst.flatten(1), src.flatten(1))
+        if words is None:
             dst.index_copy_(0, new_token_slots, src)
+        else:
+            words[0].index_copy_(0, new_token_slots, words[1])
 
 
 @append_kvcache.register_fake
@@ -100,11 +110,12 @@ def _gather_kvcache_cpu(k_cache: Tensor, v_cache: Tensor, kv_slots: Tensor) -> t
     _check(k_cache, v_cache, kv_slots, "kv_slots")
     out = []
     for cache in (k_cache, v_cache):
-        wide = _wide_rows(cache)
-        if wide is None:
-            out.append(_rows(cache).index_select(0, kv_slots))
+        rows = _rows(cache)
+        words = as_words(rows.flatten(1))
+        if words is None:
+            out.append(rows.index_select(0, kv_slots))
         else:
-            out.append(wide.index_select(0, kv_slots).view(cache.dtype).view(-1, cache.shape[2], cache.shape[3]))
+            out.append(words[0].index_select(0, kv_slots).view(cache.dtype).view(-1, *rows.shape[1:]))
     return out[0], out[1]
 
 

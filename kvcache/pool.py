@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .config import PageLayout
+from .paged_kvcache_ops import as_words
 
 
 class DevicePagePool:
@@ -63,7 +64,7 @@ class DevicePagePool:
         if not pages:
             return
         if self._is_free[pages].any() or len(set(pages)) != len(pages):
-            raise RuntimeError(f"Double free of pages {sorted(pages)}.")
+            raise RuntimeError(f"Double free among pages {sorted(pages)}.")
         self._is_free[pages] = True
         self._free.extend(pages)
 
@@ -83,9 +84,9 @@ class DevicePagePool:
     def copy_out(self, pages: Sequence[int], dst: Tensor) -> None:
         """Copy `pages` into `dst` ([len(pages), *page_shape], any device); returns when dst holds them."""
         idx = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
-        src = self.kv.view(-1, self.num_pages, self._page_numel)  # [L*2, P, X]
+        src = self._pool_rows()
         if dst.device == self.device:
-            torch.index_select(src, 1, idx, out=self._as_rows(dst).transpose(0, 1))
+            _index_select_into(src, idx, self._as_rows(dst).transpose(0, 1))
             return
         if not self._cuda:  # another accelerator: gather there, then a blocking copy
             dst.copy_(self._gather(src, idx).view(dst.shape))
@@ -101,14 +102,19 @@ class DevicePagePool:
     def copy_in(self, pages: Sequence[int], src: Tensor) -> None:
         """Write `src` ([len(pages), *page_shape], any device) into `pages`, in stream order on the current stream."""
         idx = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
-        src = src.to(self.device, non_blocking=True)  # pinned host memory -> asynchronous on CUDA
-        dst = self.kv.view(-1, self.num_pages, self._page_numel)
-        dst.index_copy_(1, idx, self._as_rows(src).transpose(0, 1))
+        src = self._as_rows(src.to(self.device, non_blocking=True)).transpose(0, 1)  # async from pinned memory
+        dst = self._pool_rows()
+        words = as_words(dst, src) if self.device.type == "cpu" else None
+        (words[0] if words else dst).index_copy_(1, idx, words[1] if words else src)
 
     @property
     def _page_numel(self) -> int:
         lay = self.layout
         return lay.page_size * lay.num_heads * lay.head_dim
+
+    def _pool_rows(self) -> Tensor:
+        """The pool as [L*2, num_pages, S*H*D]."""
+        return self.kv.view(-1, self.num_pages, self._page_numel)
 
     def _as_rows(self, pages: Tensor) -> Tensor:
         """[k, L, 2, S, H, D] -> [k, L*2, S*H*D] view."""
@@ -116,5 +122,14 @@ class DevicePagePool:
 
     def _gather(self, src: Tensor, idx: Tensor) -> Tensor:
         out = torch.empty((idx.numel(), src.shape[0], src.shape[2]), dtype=src.dtype, device=src.device)
-        torch.index_select(src, 1, idx, out=out.transpose(0, 1))
+        _index_select_into(src, idx, out.transpose(0, 1))
         return out
+
+
+def _index_select_into(src: Tensor, idx: Tensor, out: Tensor) -> None:
+    """out = src[:, idx] in one pass (as 16-byte words on CPU)."""
+    words = as_words(src, out) if src.device.type == "cpu" else None
+    if words is None:
+        torch.index_select(src, 1, idx, out=out)
+    else:
+        torch.index_select(words[0], 1, idx, out=words[1])

@@ -86,16 +86,21 @@ def hstu_attention(
         for r0 in range(0, q.shape[1], QUERY_TILE):
             r1 = min(q.shape[1], r0 + QUERY_TILE)
             key_end = num_cached + r1  # keys after the tile's last query are all masked
-            scores = F.silu(torch.matmul(q[:, r0:r1], k_t[:, :, :key_end]))  # [H, r, key_end]
+            scores = _silu(torch.matmul(q[:, r0:r1], k_t[:, :, :key_end]))  # [H, r, key_end]
             diagonal = scores[:, :, num_cached + r0 :]  # [H, r, r]: query i sees key j <= i
             diagonal.masked_fill_(_strictly_upper(r1 - r0, scores.device), 0.0)
             tiles.append(torch.matmul(scores, v_h[:, :key_end]))  # [H, r, D]
         out_hist = (torch.cat(tiles, 1) / normalizer).transpose(0, 1)  # [n, H, D]
     q = q_cand.transpose(0, 1) * alpha  # [H, m, D]
-    scores = F.silu(torch.matmul(q, k_t))  # [H, m, T]
+    scores = _silu(torch.matmul(q, k_t))  # [H, m, T]
     self_score = F.silu(alpha * (q_cand * k_cand).sum(-1, keepdim=True))  # [m, H, 1]
     out_cand = (torch.matmul(scores, v_h).transpose(0, 1) + self_score * v_cand) / normalizer
     return out_hist, out_cand
+
+
+def _silu(scores: torch.Tensor) -> torch.Tensor:
+    """SiLU of a fresh score matrix, in place when no gradient needs its input."""
+    return F.silu(scores, inplace=not torch.is_grad_enabled())
 
 
 _MASKS: dict[tuple[int, torch.device], torch.Tensor] = {}

@@ -24,6 +24,8 @@ class ReplayPass:
     request_ids: np.ndarray  # [R] in serving order
     history_lengths: np.ndarray  # [R]
     request_latency_ms: np.ndarray  # [R] time of the batch that served each request
+    batch_latency_ms: np.ndarray  # [num_batches]
+    batch_history_lengths: np.ndarray  # [num_batches] history events summed over the batch's visits
     candidate_offsets: np.ndarray  # [R + 1] into logits / labels rows
     logits: np.ndarray  # [M, num_tasks]
     labels: np.ndarray  # [M, num_tasks]
@@ -56,6 +58,7 @@ class ParityReport:
 
 def replay(session: InferenceSession, batches: list[np.ndarray], name: str, progress: bool = True) -> ReplayPass:
     request_ids, histories, latencies, cand_lengths, logits, labels = [], [], [], [], [], []
+    batch_ms, batch_history = [], []
     computed = reused = 0
     total = 0.0
     for idx in tqdm(batches, desc=f"replay ({name})", disable=not progress, file=sys.stderr, unit="batch"):
@@ -66,6 +69,8 @@ def replay(session: InferenceSession, batches: list[np.ndarray], name: str, prog
         request_ids.append(result.request_ids)
         histories.append(result.history_lengths)
         latencies.append(np.full(len(idx), elapsed * 1000.0))
+        batch_ms.append(elapsed * 1000.0)
+        batch_history.append(int(result.history_lengths.sum()))
         cand_lengths.append(result.candidate_lengths)
         logits.append(result.logits)
         labels.append(result.labels)
@@ -78,6 +83,8 @@ def replay(session: InferenceSession, batches: list[np.ndarray], name: str, prog
         request_ids=cat(request_ids),
         history_lengths=cat(histories),
         request_latency_ms=cat(latencies).astype(np.float64),
+        batch_latency_ms=np.asarray(batch_ms, dtype=np.float64),
+        batch_history_lengths=np.asarray(batch_history, dtype=np.int64),
         candidate_offsets=np.concatenate([[0], np.cumsum(cand)]),
         logits=torch.cat(logits).numpy() if logits else np.zeros((0, 0), np.float32),
         labels=torch.cat(labels).numpy() if labels else np.zeros((0, 0), np.float32),

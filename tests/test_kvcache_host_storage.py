@@ -140,3 +140,27 @@ def test_lfu_policy_order_breaks_ties_by_recency():
     p.remove(4)
     p.remove(3)
     assert list(p.order()) == [1, 2] and len(p) == 2
+
+
+def test_dropped_buffers_are_reused_within_the_capacity():
+    s = _store(8)
+    s.write(1, 0, 16, 0, _fill(_pages(4, 1)))
+    ptr = s.read(1).pages.data_ptr()
+    s.drop(1)
+    assert s.bytes_used == 0
+    s.write(2, 0, 13, 0, _fill(_pages(4, 2)))  # same size class: the warm buffer comes back
+    assert s.read(2).pages.data_ptr() == ptr and torch.equal(s.read(2).pages, _pages(4, 2))
+    s.drop(2)
+    s.write(3, 0, 32, 0, _fill(_pages(8, 3)))  # another class: the idle buffer is released to make room
+    assert s.bytes_used == 8 * PAGE and s.num_users == 1
+
+
+def test_protected_users_are_never_evicted():
+    s = _store(4)
+    s.write(1, 0, 8, 0, _fill(_pages(2, 1)))
+    s.write(2, 0, 4, 0, _fill(_pages(1, 2)))
+    result = s.write(3, 0, 8, 0, _fill(_pages(2, 3)), protect=[1])  # needs 1 more page: evicts 2, not 1
+    assert result.stored and [u for u, _ in result.evicted] == [2]
+    result = s.write(4, 0, 12, 0, _fill(_pages(3, 4)), protect=[1, 3])  # cannot fit beside 1 and 3
+    assert not result.stored and result.evicted == ()
+    assert s.info(1) == HostEntry(0, 8) and s.info(3) == HostEntry(0, 8) and s.info(4) is None

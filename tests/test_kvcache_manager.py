@@ -328,6 +328,9 @@ def test_prepare_continuing_evicted_data_without_asking_again_is_refused():
     mgr.evict_kv_cache([1])  # never offloaded: gone (e.g. another thread's admin call)
     with pytest.raises(KVCacheStaleError):
         mgr.prepare_kv_cache([1], [6], [2])  # planned with the old answer
+    mgr.rollback(mgr.prepare_kv_cache([1], [0], [2]))  # another start is fine; rolling it back restores the guard
+    with pytest.raises(KVCacheStaleError):
+        mgr.prepare_kv_cache([1], [6], [2])
     assert _info(mgr, [1]) == [(0, 0)]
     serve(mgr, [1], [6], [2])  # asked again: starting at 6 is now a deliberate restart
     _assert_holds(mgr, 1, 6, 2)
@@ -350,13 +353,26 @@ def test_host_eviction_of_a_device_evicted_user_is_visible_and_nothing_stale():
     assert mgr.stats().host_rejected_writes == 1 and mgr._host.info(2) == (0, 8)
 
 
+def test_victims_offload_never_pushes_out_the_data_being_onloaded():
+    page = _config().page_layout.page_nbytes
+    mgr = KVCacheManager(_config(num_pages=3, host_capacity_bytes=3 * page))
+    serve(mgr, [1], [0], [8])
+    mgr.offload_kv_cache()
+    mgr.evict_kv_cache()  # the host holds user 1 (2 pages)
+    serve(mgr, [2], [0], [12])  # the pool (3 pages) is full of user 2
+    meta = mgr.prepare_kv_cache([1], [8], [0])  # onloads 1: evicts 2, whose 3 pages do not fit beside 1
+    mgr.commit(meta)
+    _assert_holds(mgr, 1, 0, 8)
+    assert mgr.stats().host_rejected_writes == 1 and _info(mgr, [2]) == [(0, 0)]
+
+
 def test_custom_host_storage_plugs_in():
     calls = []
 
     class Recording(InMemoryHostStorage):
-        def write(self, user_id, start_pos, length, first_page, fill):
+        def write(self, user_id, start_pos, length, first_page, fill, protect=()):
             calls.append((user_id, start_pos, length, first_page))
-            return super().write(user_id, start_pos, length, first_page, fill)
+            return super().write(user_id, start_pos, length, first_page, fill, protect)
 
     assert issubclass(Recording, HostKVStorage)
     mgr = KVCacheManager(_config(), host_storage=Recording(1 << 20))

@@ -108,7 +108,8 @@ def test_hand_made_user_features(hand_dir: Path, tmp_path: Path):
     seq = pq.read_table(out / schema.SEQUENCES_FILE).to_pydict()  # users 3, 5, 7
     vocab = {f.name: f.values for f in manifest.user_features}
     assert manifest.user_feature_names == schema.CONTEXT_FEATURE_NAMES
-    assert vocab["user_active_degree"] == ("full_active", "high_active", "middle_active", "low_active", "brand_new_label")
+    labels = ("full_active", "high_active", "middle_active", "low_active", "brand_new_label")
+    assert vocab["user_active_degree"] == labels
     assert seq["user_active_degree"] == [2, 0, 0]  # UNKNOWN and "no row" are both id 0
     assert vocab["is_live_streamer"] == (0, 1) and seq["is_live_streamer"] == [0, 2, 0]  # -124 -> 0
     assert vocab["onehot_feat4"] == (3, 7) and seq["onehot_feat4"] == [0, 1, 0]  # empty cell -> 0
@@ -225,19 +226,23 @@ def reference(early: list[dict], late: list[dict], gap_ms: int, num_candidates: 
         events = sorted((r for r in rows if r["user_id"] == user), key=lambda r: r["time_ms"])
         weights = [sum(r[c] << bit for bit, c in enumerate(schema.ACTION_COLUMNS)) for r in events]
         sequences[user] = ([r["video_id"] for r in events], weights, [r["time_ms"] for r in events])
-        visit_starts = [i for i in range(len(events)) if i == 0 or events[i]["time_ms"] - events[i - 1]["time_ms"] > gap_ms]
+        times = [r["time_ms"] for r in events]
+        visit_starts = [i for i in range(len(events)) if i == 0 or times[i] - times[i - 1] > gap_ms]
         bounds = visit_starts + [len(events)]
         previous_end = 0
         for k in range(1, len(visit_starts)):
             first = visit_starts[k]
-            requests.append((events[first]["time_ms"], user, previous_end, first, min(num_candidates, bounds[k + 1] - first)))
+            candidates = min(num_candidates, bounds[k + 1] - first)
+            requests.append((times[first], user, previous_end, first, candidates))
             previous_end = first
     requests.sort()
     return sequences, [(i, u, t, s, e, c) for i, (t, u, s, e, c) in enumerate(requests)]
 
 
 row_strategy = st.builds(
-    lambda user, step, video, play, click, lv: log_row(user, video, T + step * M // 2, play_time_ms=play, is_click=click, long_view=lv),
+    lambda user, step, video, play, click, lv: log_row(
+        user, video, T + step * M // 2, play_time_ms=play, is_click=click, long_view=lv
+    ),
     st.integers(0, 3), st.integers(0, 200), st.integers(0, 3), st.sampled_from([1_000, 2_000]),
     st.integers(0, 1), st.integers(0, 1),
 )  # fmt: skip
@@ -320,28 +325,34 @@ def _bad_features(**values):
     return corrupt
 
 
-BAD_INPUTS = {
+EARLY, LATE, FEATURES = schema.LOG_STANDARD_EARLY, schema.LOG_STANDARD_LATE, schema.USER_FEATURES
+BAD_INPUTS = {  # case: (corruption, fragments the error message must contain)
     "missing dir": (break_missing_dir, ["does-not-exist", "does not exist"]),
-    "missing file": (_remove(schema.LOG_STANDARD_LATE), [schema.LOG_STANDARD_LATE, "missing"]),
-    "missing features file": (_remove(schema.USER_FEATURES), [schema.USER_FEATURES, "missing"]),
-    "missing column": (_drop_column, [schema.LOG_STANDARD_LATE, "'tab'", "missing column"]),
-    "non-numeric": (_bad_cell(schema.LOG_STANDARD_EARLY, 4, "video_id", "abc"), [schema.LOG_STANDARD_EARLY, "'video_id'", "line 4", "'abc'"]),
-    "float in int column": (_bad_cell(schema.LOG_STANDARD_LATE, 2, "time_ms", "1.5"), [schema.LOG_STANDARD_LATE, "'time_ms'", "line 2", "'1.5'"]),
-    "empty cell": (_bad_cell(schema.LOG_STANDARD_EARLY, 3, "play_time_ms", ""), [schema.LOG_STANDARD_EARLY, "'play_time_ms'", "line 3", "empty"]),
-    "negative user": (_bad_cell(schema.LOG_STANDARD_LATE, 5, "user_id", "-1"), [schema.LOG_STANDARD_LATE, "'user_id'", "line 5", "negative"]),
-    "negative video": (_bad_cell(schema.LOG_STANDARD_EARLY, 8, "video_id", "-7"), [schema.LOG_STANDARD_EARLY, "'video_id'", "line 8", "negative"]),
-    "flag not 0/1": (_bad_cell(schema.LOG_STANDARD_EARLY, 6, "is_like", "2"), [schema.LOG_STANDARD_EARLY, "'is_like'", "line 6"]),
-    "ragged row": (_ragged, [schema.LOG_STANDARD_EARLY, "line 7", "expected 19 columns"]),
-    "fractional feature": (_bad_features(onehot_feat4="1.5"), [schema.USER_FEATURES, "'onehot_feat4'", "line 3"]),
-    "text in feature": (_bad_features(onehot_feat2="x"), [schema.USER_FEATURES, "'onehot_feat2'", "line 3", "'x'"]),
-    "duplicate user": (_bad_features(user_id=3), [schema.USER_FEATURES, "'user_id'", "line 3", "duplicate"]),
-}  # fmt: skip
+    "missing file": (_remove(LATE), [LATE, "missing"]),
+    "missing features file": (_remove(FEATURES), [FEATURES, "missing"]),
+    "missing column": (_drop_column, [LATE, "'tab'", "missing column"]),
+    "non-numeric": (_bad_cell(EARLY, 4, "video_id", "abc"), [EARLY, "'video_id'", "line 4", "'abc'"]),
+    "float in int column": (_bad_cell(LATE, 2, "time_ms", "1.5"), [LATE, "'time_ms'", "line 2", "'1.5'"]),
+    "empty cell": (_bad_cell(EARLY, 3, "play_time_ms", ""), [EARLY, "'play_time_ms'", "line 3", "empty"]),
+    "negative user": (_bad_cell(LATE, 5, "user_id", "-1"), [LATE, "'user_id'", "line 5", "negative"]),
+    "negative video": (_bad_cell(EARLY, 8, "video_id", "-7"), [EARLY, "'video_id'", "line 8", "negative"]),
+    "flag not 0/1": (_bad_cell(EARLY, 6, "is_like", "2"), [EARLY, "'is_like'", "line 6"]),
+    "ragged row": (_ragged, [EARLY, "line 7", "expected 19 columns"]),
+    "fractional feature": (_bad_features(onehot_feat4="1.5"), [FEATURES, "'onehot_feat4'", "line 3"]),
+    "text in feature": (_bad_features(onehot_feat2="x"), [FEATURES, "'onehot_feat2'", "line 3", "'x'"]),
+    "duplicate user": (_bad_features(user_id=3), [FEATURES, "'user_id'", "line 3", "duplicate"]),
+}
+
+
+def cli(data_dir: Path, out: Path) -> int:
+    argv = ["--dataset_name", "kuairand-1k", "--data_dir", str(data_dir), "--output_dir", str(out), "--no_progress"]
+    return preprocessor_inference.main(argv)
 
 
 @pytest.fixture
 def previous_output(hand_dir: Path, tmp_path: Path) -> Path:
     out = tmp_path / "outputs" / "kuairand"
-    assert preprocessor_inference.main(["--dataset_name", "kuairand-1k", "--data_dir", str(hand_dir), "--output_dir", str(out), "--no_progress"]) == 0
+    assert cli(hand_dir, out) == 0
     return out
 
 
@@ -351,9 +362,7 @@ def test_bad_input_fails_cleanly(case, hand_dir: Path, previous_output: Path, ca
     data_dir = corrupt(hand_dir)
     before = snapshot(previous_output.parent)
     capsys.readouterr()
-    rc = preprocessor_inference.main(
-        ["--dataset_name", "kuairand-1k", "--data_dir", str(data_dir), "--output_dir", str(previous_output), "--no_progress"]
-    )
+    rc = cli(data_dir, previous_output)
     err = capsys.readouterr().err
     assert rc == 1
     for fragment in expected:

@@ -1,0 +1,125 @@
+"""The whole pipeline on a tiny generated dataset: generate -> preprocess -> train -> replay both ways."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data.preprocess import preprocess
+from data.manifest import PreprocessParams
+from data.synthetic import generate
+from model.train import main as train_main
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "benchmark" / "inference_end2end_example.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("inference_end2end_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    generate(root / "raw", scale=0.002, seed=3, progress=False)
+    preprocess(root / "raw", root / "processed", PreprocessParams(num_candidates=16), progress=False)
+    assert train_main(["--data_dir", str(root / "processed"), "--checkpoint", str(root / "ckpt"),
+                       "--preset", "tiny", "--max_train_requests", "40", "--batch_size", "8"]) == 0
+    return root
+
+
+def run_example(args: list[str]) -> int:
+    return load_example().main(args + ["--quiet"])
+
+
+def test_cached_and_full_recompute_agree_end_to_end(pipeline, tmp_path):
+    out = tmp_path / "result.json"
+    code = run_example(["--data_dir", str(pipeline / "processed"), "--checkpoint", str(pipeline / "ckpt"),
+                        "--max_requests", "60", "--batch_size", "4", "--output", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    for key in ("num_requests", "speedup", "max_abs_logit_diff", "auc", "latency_ms", "tokens_computed", "cache"):
+        assert key in result, key
+    assert result["num_requests"] == 60
+    assert result["parity"] == "pass" and result["max_abs_logit_diff"] <= 1e-4
+    for task, value in result["auc"]["kv cache"].items():
+        other = result["auc"]["full recompute"][task]
+        assert (value is None and other is None) or round(value, 4) == round(other, 4)
+    assert result["tokens_computed"]["kv cache"] < result["tokens_computed"]["full recompute"]
+    # The default device pool is a quarter of the working set: users were evicted and reloaded.
+    assert result["cache"]["device_evictions"] > 0 and result["cache"]["onloaded_bytes"] > 0
+    assert Path(result["plot"]).is_file() and Path(result["plot"]).stat().st_size > 0
+    for p in ("p50", "p90", "p99"):
+        assert result["latency_ms"]["kv cache"][p] > 0
+
+
+def test_random_init_warns_and_no_compare_skips_the_full_pass(pipeline, tmp_path, caplog):
+    out = tmp_path / "result.json"
+    code = run_example(["--data_dir", str(pipeline / "processed"), "--preset", "tiny", "--no_compare",
+                        "--max_requests", "10", "--output", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert "speedup" not in result and list(result["latency_ms"]) == ["kv cache"]
+    assert "RANDOMLY INITIALISED" in caplog.text
+
+
+def test_missing_checkpoint_is_refused(pipeline, tmp_path, capsys):
+    code = run_example(["--data_dir", str(pipeline / "processed"), "--checkpoint", str(tmp_path / "none"),
+                        "--output", str(tmp_path / "r.json")])
+    assert code == 2
+    assert "No checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_checkpoint_for_other_data_is_refused(pipeline, tmp_path, capsys):
+    from model.checkpoint import load_checkpoint, save_checkpoint
+
+    model = load_checkpoint(pipeline / "ckpt").model
+    other = model.config.replace(user_feature_cardinalities=tuple(c + 1 for c in model.config.user_feature_cardinalities))
+    from model.recommender import HSTURecommender
+
+    save_checkpoint(HSTURecommender(other), tmp_path / "other")
+    code = run_example(["--data_dir", str(pipeline / "processed"), "--checkpoint", str(tmp_path / "other"),
+                        "--output", str(tmp_path / "r.json")])
+    assert code == 2
+    assert "user-feature vocabularies" in capsys.readouterr().err
+
+
+def test_directory_that_is_not_preprocessor_output_is_refused(pipeline, tmp_path, capsys):
+    code = run_example(["--data_dir", str(pipeline / "raw"), "--checkpoint", str(pipeline / "ckpt"),
+                        "--output", str(tmp_path / "r.json")])
+    assert code == 2
+    assert "manifest.json" in capsys.readouterr().err
+
+
+def test_manifest_of_another_schema_version_is_refused(pipeline, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "processed"
+    shutil.copytree(pipeline / "processed", copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["schema_version"] = 999
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    code = run_example(["--data_dir", str(copy), "--checkpoint", str(pipeline / "ckpt"),
+                        "--output", str(tmp_path / "r.json")])
+    assert code == 2
+    assert "schema" in capsys.readouterr().err.lower()
+
+
+def test_cli_runs_as_a_script(pipeline, tmp_path):
+    out = tmp_path / "cli.json"
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--data_dir", str(pipeline / "processed"), "--checkpoint",
+         str(pipeline / "ckpt"), "--max_requests", "12", "--output", str(out), "--quiet"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "parity pass" in proc.stdout
+    assert json.loads(out.read_text())["parity"] == "pass"
