@@ -81,7 +81,7 @@ def bench_append(dtype: torch.dtype, device: torch.device, rounds: int, users=32
     meta = mgr.prepare_kv_cache(ids, [cached] * users, [new_tokens] * users)
     n = meta.num_new_tokens
     new = torch.randn(cfg.num_layers, 2, n, cfg.num_heads, cfg.head_dim, device=device).to(dtype)
-    dst = torch.empty_like(new)
+    dst = torch.ones_like(new)  # baselines touch their memory first: reading never-written pages is free
     caches = [(mgr.k_cache(layer), mgr.v_cache(layer)) for layer in range(cfg.num_layers)]
     slots = meta.new_token_slots
 
@@ -96,8 +96,8 @@ def bench_append(dtype: torch.dtype, device: torch.device, rounds: int, users=32
 
     out = _paired(append, copy, device, rounds)
     kv_slots = meta.kv_slots
-    gather_dst = torch.empty((cfg.num_layers, 2, kv_slots.numel(), cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
-    src = torch.empty_like(gather_dst)
+    gather_dst = torch.ones((cfg.num_layers, 2, kv_slots.numel(), cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
+    src = torch.ones_like(gather_dst)
 
     def gather():
         for k, v in caches:
@@ -122,8 +122,8 @@ def bench_offload_reload(dtype: torch.dtype, device: torch.device, rounds: int, 
     ids = list(range(users))
     _populate(mgr, ids, tokens, append=True)
     nbytes = users * cfg.page_layout.num_pages(tokens) * cfg.page_layout.page_nbytes
-    src = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)
-    dst = torch.empty(nbytes // dtype.itemsize, dtype=dtype, pin_memory=cfg.pin_host_memory)
+    src = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
+    dst = torch.ones(nbytes // dtype.itemsize, dtype=dtype, pin_memory=cfg.pin_host_memory)
     d2h = lambda: dst.copy_(src)  # noqa: E731
     h2d = lambda: src.copy_(dst)  # noqa: E731
     host = mgr._host  # the benchmark empties the host tier between rounds, so every round moves every page
@@ -155,36 +155,48 @@ def bench_offload_reload(dtype: torch.dtype, device: torch.device, rounds: int, 
     }
 
 
-def bench_prepare(known: int, device: torch.device, rounds: int, batch=64, cached=30, new=8) -> dict:
-    """Per-user cost of prepare for a batch of resident users; rolled back so every round sees the same state."""
-    cfg = KVCacheConfig(num_layers=1, num_heads=1, head_dim=4, page_size=32, num_pages=known + 4 * batch, device=device)
-    mgr = KVCacheManager(cfg)
-    _populate(mgr, list(range(known)), cached)
+def bench_prepare(known_sizes: tuple[int, ...], device: torch.device, rounds: int, batch=64, cached=30, new=8) -> dict:
+    """Per-user cost of prepare for a batch of random resident users, managers of each size timed in alternation.
+
+    Every prepare is rolled back (untimed), so each round sees the same state.
+    """
+    managers = {}
+    for known in known_sizes:
+        cfg = KVCacheConfig(num_layers=1, num_heads=1, head_dim=4, page_size=32, num_pages=known + 4 * batch, device=device)
+        managers[known] = KVCacheManager(cfg)
+        _populate(managers[known], list(range(known)), cached)
     rng = random.Random(0)
-    times = []
+    times: dict[int, list[float]] = {known: [] for known in known_sizes}
     for i in range(rounds + 5):
-        users = rng.sample(range(known), batch)
-        starts = [cached] * batch
-        _sync(device)
-        t0 = time.perf_counter()
-        meta = mgr.prepare_kv_cache(users, starts, [new] * batch)
-        _sync(device)
-        if i >= 5:
-            times.append(time.perf_counter() - t0)
-        mgr.rollback(meta)
-    return {"users_known": known, "batch": batch, "us_per_user_median": statistics.median(times) / batch * 1e6,
-            "us_per_user_best": min(times) / batch * 1e6}
+        for known, mgr in managers.items():
+            users = rng.sample(range(known), batch)
+            _sync(device)
+            t0 = time.perf_counter()
+            meta = mgr.prepare_kv_cache(users, [cached] * batch, [new] * batch)
+            _sync(device)
+            if i >= 5:
+                times[known].append(time.perf_counter() - t0)
+            mgr.rollback(meta)
+    return {
+        str(known): {"users_known": known, "batch": batch,
+                     "us_per_user_median": statistics.median(t) / batch * 1e6,
+                     "us_per_user_best": min(t) / batch * 1e6}
+        for known, t in times.items()
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per measurement (median reported)")
-    parser.add_argument("--prepare-rounds", type=int, default=200)
+    parser.add_argument("--prepare-rounds", type=int, default=1000)
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rounds = 2 if args.quick else args.rounds
     small = dict(users=4, new_tokens=16) if args.quick else {}
 
@@ -209,9 +221,9 @@ def main() -> None:
 
     print(f"{'prepare_kv_cache, batch 64':<34}{'us/user (median)':>18}{'best':>8}")
     known_sizes = (200, 2_000) if args.quick else (1_000, 100_000)
+    results["prepare"] = bench_prepare(known_sizes, device, 20 if args.quick else args.prepare_rounds)
     for known in known_sizes:
-        r = bench_prepare(known, device, 20 if args.quick else args.prepare_rounds)
-        results["prepare"][str(known)] = r
+        r = results["prepare"][str(known)]
         print(f"  {known:>7} users known{'':<15}{r['us_per_user_median']:>18.2f}{r['us_per_user_best']:>8.2f}")
     small_k, large_k = (results["prepare"][str(k)]["us_per_user_median"] for k in known_sizes)
     results["prepare"]["large_over_small"] = large_k / small_k

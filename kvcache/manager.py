@@ -21,6 +21,7 @@ import itertools
 import operator
 import threading
 import weakref
+from array import array
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import paged_kvcache_ops
 from .config import KVCacheConfig
 from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
 from .host_storage import HostEntry, HostKVStorage, HostPages, InMemoryHostStorage
@@ -46,7 +48,7 @@ class _Resident:
 
     __slots__ = ("start_pos", "length", "pages")
 
-    def __init__(self, start_pos: int, length: int, pages: list[int]) -> None:
+    def __init__(self, start_pos: int, length: int, pages: array) -> None:
         self.start_pos = start_pos
         self.length = length
         self.pages = pages
@@ -134,8 +136,7 @@ class KVCacheManager:
                 pages = np.asarray(res.pages, dtype=np.int64)
                 slots = token_slots(pages, np.array([len(pages)]), np.array([0]), np.array([res.length]), lay.page_size)
                 idx = torch.from_numpy(slots).to(self.config.device)
-                rows = (-1, lay.num_heads, lay.head_dim)
-                return self.k_cache(layer).view(rows).index_select(0, idx), self.v_cache(layer).view(rows).index_select(0, idx)
+                return paged_kvcache_ops.gather_kvcache(self.k_cache(layer), self.v_cache(layer), idx)
             hp = self._host.read(user_id) if self._host.info(user_id) is not None else None
             if hp is None:
                 empty = torch.zeros((0, lay.num_heads, lay.head_dim), dtype=lay.dtype, device=self.config.device)
@@ -179,7 +180,7 @@ class KVCacheManager:
         """
         with self._lock:
             pending = self._refusing(self._take_pending, meta)
-            freed: list[int] = []
+            freed = array("q")
             for u, kept, created in zip(pending.user_ids, pending.kept_pages, pending.created):
                 res = self._users[u]
                 freed += res.pages[kept:]
@@ -380,7 +381,7 @@ class KVCacheManager:
             if res is not None:
                 policy.touch(u)
             elif is_new:
-                res = users[u] = _Resident(start, 0, [])
+                res = users[u] = _Resident(start, 0, array("q"))
                 policy.add(u)
             else:
                 hp = host_pages[u]
@@ -452,7 +453,7 @@ class KVCacheManager:
         self._pool.free(res.pages)
         self._offload_requested.discard(u)
 
-    def _onload(self, u: int, hp: HostPages, pages: list[int]) -> _Resident:
+    def _onload(self, u: int, hp: HostPages, pages: array) -> _Resident:
         self._pool.copy_in(pages, hp.pages)
         res = self._users[u] = _Resident(hp.start_pos, hp.length, pages)
         self._policy.add(u)

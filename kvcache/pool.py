@@ -7,7 +7,8 @@ nothing about users: the manager owns the page lists, the pool only hands pages 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from array import array
+from typing import Sequence, Union
 
 import numpy as np
 import torch
@@ -16,8 +17,12 @@ from torch import Tensor
 from .config import PageLayout
 from .paged_kvcache_ops import as_words
 
+Pages = Union[array, Sequence[int]]  # page ids; the pool hands out array("q")
+
 
 class DevicePagePool:
+    """Pages of `layout` on `device`, handed out and taken back by page id (no user bookkeeping)."""
+
     def __init__(self, layout: PageLayout, num_pages: int, device: torch.device) -> None:
         self.layout = layout
         self.num_pages = num_pages
@@ -28,7 +33,9 @@ class DevicePagePool:
             dtype=layout.dtype,
             device=device,
         )
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        # Page ids are kept in int64 arrays (here and in the manager's page lists): compact, and no
+        # per-page Python objects to chase through memory when there are many users.
+        self._free = array("q", range(num_pages - 1, -1, -1))  # a stack: low pages are handed out first
         self._is_free = np.ones(num_pages, dtype=bool)
         self._cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
@@ -50,22 +57,23 @@ class DevicePagePool:
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc(self, n: int) -> Pages:
         if n > len(self._free):
             raise RuntimeError(f"Page pool exhausted: asked for {n} pages, {len(self._free)} free.")
         if n == 0:
-            return []
-        pages = self._free[:-n - 1:-1]  # from the end of the stack, lowest page first
+            return array("q")
+        pages = self._free[:-n - 1:-1]  # from the top of the stack, lowest page first
         del self._free[-n:]
         self._is_free[pages] = False
         return pages
 
-    def free(self, pages: Sequence[int]) -> None:
+    def free(self, pages: Pages) -> None:
         if not pages:
             return
-        if self._is_free[pages].any() or len(set(pages)) != len(pages):
+        idx = np.asarray(pages, dtype=np.int64)
+        if self._is_free[idx].any() or len(np.unique(idx)) != len(idx):
             raise RuntimeError(f"Double free among pages {sorted(pages)}.")
-        self._is_free[pages] = True
+        self._is_free[idx] = True
         self._free.extend(pages)
 
     def free_pages(self) -> list[int]:
@@ -73,44 +81,58 @@ class DevicePagePool:
 
     # --- page moves (one batched copy per call, all layers) ---
     def mark_written(self) -> None:
-        """Record that appends issued so far on the current stream are the ones later copies must see.
+        """Record that the pool writes issued so far on the current stream are ones later copies must see.
 
-        The manager calls it at commit; `copy_out` on the side stream waits for it. No-op on CPU.
+        The manager calls it at commit (after the appends) and the pool after each onload;
+        `copy_out`, on its own stream, waits for the latest mark. No-op on CPU.
         """
         if self._cuda:
             self._written = torch.cuda.Event()
             self._written.record(torch.cuda.current_stream(self.device))
 
-    def copy_out(self, pages: Sequence[int], dst: Tensor) -> None:
-        """Copy `pages` into `dst` ([len(pages), *page_shape], any device); returns when dst holds them."""
-        idx = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
+    def copy_out(self, pages: Pages, dst: Tensor) -> None:
+        """Copy `pages` into `dst` ([len(pages), *page_shape], any device); returns when dst holds them.
+
+        On CUDA the gather and the device-to-host copy run on a side stream (into pinned memory
+        when dst is), after the last `mark_written`, and this call waits for them: freeing the
+        pages afterwards is safe.
+        """
         src = self._pool_rows()
-        if dst.device == self.device:
-            _index_select_into(src, idx, self._as_rows(dst).transpose(0, 1))
-            return
-        if not self._cuda:  # another accelerator: gather there, then a blocking copy
-            dst.copy_(self._gather(src, idx).view(dst.shape))
+        if not self._cuda:
+            idx = self._index(pages)
+            if dst.device == self.device:
+                _index_select_into(src, idx, self._as_rows(dst).transpose(0, 1))
+            else:  # another accelerator: gather there, then a blocking copy
+                dst.copy_(self._gather(src, idx).view(dst.shape))
             return
         stream = self._copy_stream
-        with torch.cuda.stream(stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if self._written is not None:
                 stream.wait_event(self._written)
-            staged = self._gather(src, idx)
+            staged = self._gather(src, self._index(pages))
             dst.copy_(staged.view(dst.shape), non_blocking=True)
         stream.synchronize()
 
-    def copy_in(self, pages: Sequence[int], src: Tensor) -> None:
-        """Write `src` ([len(pages), *page_shape], any device) into `pages`, in stream order on the current stream."""
-        idx = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
-        src = self._as_rows(src.to(self.device, non_blocking=True)).transpose(0, 1)  # async from pinned memory
+    def copy_in(self, pages: Pages, src: Tensor) -> None:
+        """Write `src` ([len(pages), *page_shape], any device) into `pages`, in order on the current stream.
+
+        From pinned host memory the copy is asynchronous; the tier keeps that memory unchanged
+        until later writes, which `mark_written` orders after this one.
+        """
+        idx = self._index(pages)
+        src = self._as_rows(src.to(self.device, non_blocking=True)).transpose(0, 1)
         dst = self._pool_rows()
         words = as_words(dst, src) if self.device.type == "cpu" else None
         (words[0] if words else dst).index_copy_(1, idx, words[1] if words else src)
+        self.mark_written()
 
     @property
     def _page_numel(self) -> int:
         lay = self.layout
         return lay.page_size * lay.num_heads * lay.head_dim
+
+    def _index(self, pages: Pages) -> Tensor:
+        return torch.from_numpy(np.asarray(pages, dtype=np.int64)).to(self.device)
 
     def _pool_rows(self) -> Tensor:
         """The pool as [L*2, num_pages, S*H*D]."""

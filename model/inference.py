@@ -15,13 +15,13 @@ import numpy as np
 import torch
 
 from data.dataset import InferenceDataset
-from kvcache import KVCacheManager
+from kvcache import KVCacheManager, KVCacheStaleError
 from model.recommender import HSTURecommender, StaleKVCacheError
 from model.token_layout import TokenLayout, VisitPlan
 
 log = logging.getLogger(__name__)
 
-MAX_PLAN_ATTEMPTS = 3  # a concurrent eviction between planning and prepare is retried
+MAX_PLAN_ATTEMPTS = 3  # data lost between planning and prepare (another caller's eviction) is re-planned
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class InferenceSession:
                 with torch.inference_mode():
                     logits = self.model(batch, self.kv_cache)
                 break
-            except StaleKVCacheError as err:
+            except (StaleKVCacheError, KVCacheStaleError) as err:
                 if attempt == MAX_PLAN_ATTEMPTS:
                     raise
                 log.warning("re-planning a visit: %s", err)

@@ -162,7 +162,7 @@ def test_rollback_restores_the_previous_state_exactly():
     garbage = torch.full((2, 2, 13, 2, 4), -7.0)
     append_batch(mgr, meta, garbage)  # the failed forward wrote into the tail of existing pages too
     mgr.rollback(meta)
-    assert {u: mgr._users[u].pages for u in (1, 2)} == pages_before and 3 not in mgr._users
+    assert {u: list(mgr._users[u].pages) for u in (1, 2)} == pages_before and 3 not in mgr._users
     assert sorted(mgr._pool.free_pages()) == free_before
     _assert_holds(mgr, 1, 0, 6)
     _assert_holds(mgr, 2, 0, 3)

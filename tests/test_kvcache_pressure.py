@@ -19,11 +19,11 @@ def _config(**kw):
     return KVCacheConfig(**base)
 
 
-def _check_user(mgr, user, expect_end):
-    """What is reported is a suffix-closed window ending at most at expect_end, and its data is right."""
+def _check_user(mgr, user, expect_end, window_start=0):
+    """What is reported lies in the user's current window [window_start, expect_end) and its data is right."""
     start, length = (t.item() for t in mgr.get_user_kvdata_info([user]))
     if length:
-        assert start + length <= expect_end
+        assert window_start <= start and start + length <= expect_end
         for layer in range(LAYERS):
             k, v = mgr.read_kv(user, layer)
             ek, ev = expected_kv(mgr.config.page_layout, user, start, length, layer)
@@ -68,10 +68,10 @@ def _replay(mgr, num_users, visits, seed, batch=3, offload_every=4):
         if step % 5 == 0:
             mgr.wait()
             mgr.check_invariants()
-            for u, (_, end) in hist.items():
-                _check_user(mgr, u, end)
+            for u, (window_start, end) in hist.items():
+                _check_user(mgr, u, end, window_start)
     mgr.wait()
-    return {u: end for u, (_, end) in hist.items()}
+    return hist
 
 
 def _cached(window_start, end):
@@ -88,7 +88,7 @@ def test_small_pool_large_host_never_loses_data(policy):
         expected = [_cached(*hist.get(u, (0, 0))) for u in users]
         assert _visit(mgr, rng, users, hist) == expected  # everything is still cached somewhere
     for u, (window_start, end) in hist.items():
-        assert _check_user(mgr, u, end) == _cached(window_start, end)
+        assert _check_user(mgr, u, end, window_start) == _cached(window_start, end)
     stats = mgr.stats()
     assert stats.device_evictions > 20 and stats.onloaded_bytes > 0 and stats.host_evictions == 0
     mgr.check_invariants()
@@ -97,11 +97,24 @@ def test_small_pool_large_host_never_loses_data(policy):
 def test_small_host_loses_only_whole_users_and_returns_nothing_stale():
     page_nbytes = _config().page_layout.page_nbytes
     mgr = KVCacheManager(_config(num_pages=40, host_capacity_bytes=20 * page_nbytes))
-    ends = _replay(mgr, num_users=30, visits=200, seed=1)
+    hist = _replay(mgr, num_users=30, visits=200, seed=1)
     stats = mgr.stats()
     assert stats.host_evictions > 0 and stats.host_bytes_used <= 20 * page_nbytes
-    for u, end in ends.items():
-        _check_user(mgr, u, end)
+    for u, (window_start, end) in hist.items():
+        _check_user(mgr, u, end, window_start)
+
+
+def test_stale_plans_are_refused_under_pressure():
+    page_nbytes = _config().page_layout.page_nbytes
+    mgr = KVCacheManager(_config(num_pages=4, host_capacity_bytes=2 * page_nbytes))
+    serve(mgr, [1], [0], [12])  # 3 pages
+    start, length = mgr.get_user_kvdata_info([1])  # another caller plans user 1's next visit...
+    serve(mgr, [2], [0], [16])  # ...meanwhile user 1 is evicted and the 2-page host cannot keep it
+    assert mgr.stats().host_rejected_writes == 1
+    with pytest.raises(KVCacheStaleError):
+        mgr.prepare_kv_cache([1], [int(start + length)], [1])
+    assert mgr.get_user_kvdata_info([1])[1].item() == 0  # asking again tells the truth
+    serve(mgr, [1], [12], [1])
 
 
 def _serve_disjoint(mgr, users, seconds, seed, errors):
@@ -137,7 +150,7 @@ def _serve_disjoint(mgr, users, seconds, seed, errors):
                 mgr.offload_kv_cache(batch)
                 mgr.evict_kv_cache(batch)
         for u in users:
-            assert _check_user(mgr, u, ends[u]) == expected(u)
+            assert _check_user(mgr, u, ends[u], window[u]) == expected(u)
     except BaseException as exc:  # reported by the main thread
         errors.append(exc)
 
@@ -167,14 +180,14 @@ def test_async_offload_matches_sync():
     results = []
     for async_offload in (False, True):
         mgr = KVCacheManager(_config(num_pages=40, async_offload=async_offload))
-        ends = _replay(mgr, num_users=16, visits=80, seed=2, offload_every=2)
+        hist = _replay(mgr, num_users=16, visits=80, seed=2, offload_every=2)
         mgr.offload_kv_cache()
         mgr.evict_kv_cache([0, 1, 2])  # an eviction right after an async offload request waits for it
         mgr.wait()
         stats = mgr.stats()
         data = {
             u: [mgr.read_kv(u, layer) for layer in range(LAYERS)] + [mgr.get_user_kvdata_info([u])]
-            for u in ends
+            for u in hist
         }
         results.append((stats, data))
         mgr.close()
