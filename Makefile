@@ -5,14 +5,16 @@ PYTHON      ?= python3
 VENV        := .venv
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
-ARTIFACTS   ?= artifacts
+ARTIFACTS   ?= artifacts/$(if $(DATA_DIR),kuairand-1k,synthetic)
 DATA_DIR    ?=
 DEMO_SCALE  ?= 0.005
 DEMO_SEED   ?= 7
-RAW_DIR     := $(if $(DATA_DIR),$(DATA_DIR),$(ARTIFACTS)/synthetic-kuairand-1k)
+RAW_DIR     := $(if $(DATA_DIR),$(DATA_DIR),$(ARTIFACTS)/raw)
 PROCESSED   := $(ARTIFACTS)/processed
 CHECKPOINT  := $(ARTIFACTS)/checkpoint
 DEMO_PRESET ?= demo
+DEMO_REQUESTS ?= 600
+TRAIN_SECONDS ?= 300
 
 .PHONY: demo test venv clean
 
@@ -36,9 +38,10 @@ ifeq ($(DATA_DIR),)
 endif
 	$(PY) preprocessor_inference.py --dataset_name kuairand-1k --data_dir $(RAW_DIR) --output_dir $(PROCESSED)
 	@test -f $(CHECKPOINT)/model.pt || \
-		$(PY) -m model.train --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) --preset $(DEMO_PRESET)
+		$(PY) -m model.train --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) --preset $(DEMO_PRESET) \
+			--max_train_seconds $(TRAIN_SECONDS)
 	$(PY) benchmark/inference_end2end_example.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
-		--output $(ARTIFACTS)/end2end.json
+		--max_requests $(DEMO_REQUESTS) --output $(ARTIFACTS)/end2end.json
 
 clean:
-	rm -rf $(ARTIFACTS)
+	rm -rf artifacts

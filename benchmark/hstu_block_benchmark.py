@@ -63,15 +63,18 @@ def model_flops(cfg: HSTUConfig, new: int, cached: int, candidates: int) -> floa
     return sum(layer_flops(cfg, new, cached, candidates, i < cfg.num_layers - 1) for i in range(cfg.num_layers))
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of `repeats` runs after one warm-up run."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def timed(fns: list, repeats: int) -> list[float]:
+    """Median seconds of each function over `repeats` rounds after one warm-up round.
+    Rounds interleave the functions, so load from other processes hits them alike."""
+    for fn in fns:
         fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, samples):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return [statistics.median(s) for s in samples]
 
 
 def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, candidates: int,
@@ -120,9 +123,7 @@ def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, cand
         _sync(device)
 
     with torch.inference_mode():
-        t_cached = timed(run_cached, repeats)
-        t_full = timed(run_full, repeats)
-        t_matmul = timed(run_matmul, repeats * 5)
+        t_cached, t_full, t_matmul = timed([run_cached, run_full, run_matmul], repeats)
     f_cached = batch * model_flops(cfg, new, cached, candidates)
     f_full = batch * model_flops(cfg, history, 0, candidates)
     cached_gflops = f_cached / t_cached / 1e9

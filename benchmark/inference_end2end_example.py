@@ -26,7 +26,7 @@ import torch
 from data.dataset import InferenceDataset
 from data.schema import TASKS
 from kvcache import KVCacheConfig, KVCacheManager
-from model.checkpoint import CheckpointError, load_checkpoint
+from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
 from model.inference import InferenceSession
 from model.replay import ReplayPass, compare, replay
 from model.train import DEFAULT_SPLIT_DATE, config_for_dataset, date_to_ms
@@ -52,6 +52,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="host tier bytes (default: room for every replayed user)")
     p.add_argument("--page_size", type=int, default=None, help="tokens per page (default: the model's)")
     p.add_argument("--async_offload", action="store_true")
+    p.add_argument("--kv_tier", choices=["memory", "disk", "redis"], default="memory",
+                   help="tier below the in-memory host tier: none, a persistent directory, or a Redis server")
+    p.add_argument("--kv_dir", default=None, help="directory of the persistent tier (--kv_tier disk)")
+    p.add_argument("--redis_url", default=None, help="redis://host:port/db of the shared tier (--kv_tier redis)")
+    p.add_argument("--tier_capacity", type=int, default=8 << 30, help="bytes the disk or Redis tier may use")
     p.add_argument("--no_warmup", action="store_true",
                    help="start the cached pass cold instead of serving each user's last earlier visit first")
     p.add_argument("--no_compare", action="store_true", help="skip the full-recompute pass")
@@ -109,7 +114,7 @@ def warmup_batches(dataset: InferenceDataset, indices: np.ndarray, from_ms: int,
 
 
 def make_cache(args: argparse.Namespace, model: HSTURecommender, working_set: int, largest_window: int,
-               page_size: int) -> KVCacheManager:
+               page_size: int, fingerprint: str) -> KVCacheManager:
     """By default the device pool holds a quarter of the working set (so users are evicted and
     reloaded) but always at least one full batch of the largest windows."""
     cfg = model.config
@@ -119,8 +124,22 @@ def make_cache(args: argparse.Namespace, model: HSTURecommender, working_set: in
     return KVCacheManager(KVCacheConfig(
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=page_size,
         num_pages=num_pages, dtype=DTYPES[args.dtype], device=args.device, host_capacity_bytes=host_capacity,
-        async_offload=args.async_offload,
+        async_offload=args.async_offload, **tier_settings(args, fingerprint),
     ))
+
+
+def tier_settings(args: argparse.Namespace, fingerprint: str) -> dict:
+    """KVCacheConfig fields of the tier below host memory. Redis keys are namespaced by the
+    model fingerprint, so nodes serving another model never read these K/V."""
+    if args.kv_tier == "disk":
+        if not args.kv_dir:
+            raise ValueError("--kv_tier disk needs --kv_dir")
+        return {"persistent_dir": args.kv_dir, "persistent_capacity_bytes": args.tier_capacity}
+    if args.kv_tier == "redis":
+        if not args.redis_url:
+            raise ValueError("--kv_tier redis needs --redis_url")
+        return {"redis_url": args.redis_url, "redis_namespace": fingerprint, "redis_capacity_bytes": args.tier_capacity}
+    return {}
 
 
 def plot(passes: list[ReplayPass], path: Path, batch_size: int) -> None:
@@ -164,13 +183,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     page_size = args.page_size or model.config.page_size
     pages_needed, largest_window = working_set_pages(model, dataset, indices, page_size)
-    cache = make_cache(args, model, pages_needed, largest_window, page_size)
+    fingerprint = model_fingerprint(model)
+    try:
+        cache = make_cache(args, model, pages_needed, largest_window, page_size, fingerprint)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     batches = list(dataset.batches(indices, args.batch_size))
     log.info("replaying %d visits of %d users in %d batches; device pool %d pages for a working set of %d pages",
              len(indices), len(np.unique(dataset.requests.user_id[indices])), len(batches),
              cache.config.num_pages, pages_needed)
 
-    cached_session = InferenceSession(model, dataset, kv_cache=cache)
+    cached_session = InferenceSession(model, dataset, kv_cache=cache, model_fingerprint=fingerprint)
     warmup = [] if args.no_warmup else warmup_batches(dataset, indices, from_ms, args.batch_size)
     if warmup:
         replay(cached_session, warmup, "warm-up", progress=not args.quiet)
@@ -200,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_reused": {p.name: p.tokens_reused for p in passes},
         "auc": {p.name: p.auc(task_names) for p in passes},
         "cache": asdict(cache.stats()),
-        "cache_config": {"num_pages": cache.config.num_pages, "page_size": page_size,
+        "tag_mismatches": cached_session.tag_mismatches,
+        "cache_config": {"num_pages": cache.config.num_pages, "page_size": page_size, "tier": args.kv_tier,
                          "working_set_pages": pages_needed, "host_capacity_bytes": cache.config.host_capacity_bytes},
     }
     ok = True

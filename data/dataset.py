@@ -8,7 +8,7 @@ are ~300 MB), so serving any event range of any user is two array slices. The ca
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -20,6 +20,14 @@ from data.batch import VisitBatch
 from data.jagged import offsets_from_lengths
 from data.manifest import Manifest
 from data.requests import RequestTable
+
+
+class UserEvents(NamedTuple):
+    video_ids: np.ndarray  # [n] int64
+    action_weights: np.ndarray  # [n] int64
+    timestamps_ms: np.ndarray  # [n] int64
+    prev_timestamp_ms: int  # time of the event before the range (of its first event at 0)
+    user_features: np.ndarray  # [F] int64
 
 
 class InferenceDataset:
@@ -74,6 +82,24 @@ class InferenceDataset:
         if row >= len(self.user_ids) or self.user_ids[row] != user_id:
             raise KeyError(f"user {user_id} has no events in {self.root}")
         return int(self._offsets[row + 1] - self._offsets[row])
+
+    def user_events(self, user_id: int, start: int, end: int) -> "UserEvents":
+        """Views of events [start, end) of `user_id`, the event before them and the user's
+        features: everything a cached range of K/V was computed from."""
+        row = int(np.searchsorted(self.user_ids, user_id))
+        if row >= len(self.user_ids) or self.user_ids[row] != user_id:
+            raise KeyError(f"user {user_id} has no events in {self.root}")
+        base, n = int(self._offsets[row]), int(self._offsets[row + 1] - self._offsets[row])
+        if not 0 <= start <= end <= n:
+            raise ValueError(f"user {user_id}: events [{start}, {end}) outside its {n} events")
+        span = slice(base + start, base + end)
+        return UserEvents(
+            video_ids=self._video_ids[span],
+            action_weights=self._action_weights[span],
+            timestamps_ms=self._timestamps[span],
+            prev_timestamp_ms=int(self._timestamps[base + max(start - 1, 0)]) if n else 0,
+            user_features=self._user_features[row],
+        )
 
     # ------------------------------------------------------------ replay order
     def request_indices(

@@ -12,6 +12,9 @@ local store and a shared key-value store later). It speaks in pages of a `PageLa
 * Writes are incremental: `write(user, start_pos, length, first_page, fill)` replaces pages
   `[first_page, ceil(length / page_size))` and keeps pages `[0, first_page)` — offloading
   after a visit writes only the rewritten last partial page and the new ones.
+* Each entry carries an opaque `tag` (the model stores a digest of the events the K/V were
+  computed from), stored atomically with the entry and returned by `info` and `read`: a reader
+  that expects another tag recomputes instead of reusing K/V of a rewritten history.
 * The storage is not thread-safe; its one caller (the manager) serialises calls.
 """
 from __future__ import annotations
@@ -32,12 +35,18 @@ PageFill = Callable[[Tensor], None]
 class HostEntry(NamedTuple):
     start_pos: int
     length: int
+    tag: bytes = b""  # the writer's fingerprint of what the K/V were computed from (opaque here)
 
 
 class HostPages(NamedTuple):
     start_pos: int
     length: int
     pages: Tensor  # [ceil(length / page_size), *page_shape], valid until the next write of this user
+    tag: bytes = b""
+
+    @property
+    def entry(self) -> HostEntry:
+        return HostEntry(self.start_pos, self.length, self.tag)
 
 
 class HostWriteResult(NamedTuple):
@@ -89,7 +98,7 @@ class HostKVStorage(ABC):
     @abstractmethod
     def write(
         self, user_id: int, start_pos: int, length: int, first_page: int, fill: PageFill,
-        protect: Collection[int] = (),
+        protect: Collection[int] = (), tag: bytes = b"",
     ) -> HostWriteResult:
         """Store pages `[first_page, ceil(length / page_size))` of the user, keeping pages before `first_page`.
 
@@ -100,6 +109,8 @@ class HostKVStorage(ABC):
         `protect` (the caller is about to read them). A user that does not fit beside the
         protected ones is not stored (`stored=False`, nothing changed). If `fill` raises, the
         user's entry is dropped (it may be half-written) and the exception propagates.
+        `dst` stays readable, holding the pages, until the next call to the storage (a tier chain
+        copies it on to the next tier). The entry then carries `tag` (replacing the old one).
         """
 
     @abstractmethod
@@ -108,11 +119,12 @@ class HostKVStorage(ABC):
 
 
 class _Entry:
-    __slots__ = ("start_pos", "length", "buffer")
+    __slots__ = ("start_pos", "length", "buffer", "tag")
 
     def __init__(self, start_pos: int, length: int, buffer: Tensor) -> None:
         self.start_pos = start_pos
         self.length = length
+        self.tag = b""
         self.buffer = buffer  # [capacity_pages, *page_shape]; pages [0, ceil(length / S)) are valid
 
 
@@ -163,18 +175,18 @@ class InMemoryHostStorage(HostKVStorage):
 
     def info(self, user_id: int) -> HostEntry | None:
         e = self._entries.get(user_id)
-        return None if e is None else HostEntry(e.start_pos, e.length)
+        return None if e is None else HostEntry(e.start_pos, e.length, e.tag)
 
     def read(self, user_id: int) -> HostPages | None:
         e = self._entries.get(user_id)
         if e is None:
             return None
         self._entries.move_to_end(user_id)
-        return HostPages(e.start_pos, e.length, e.buffer[: self.layout.num_pages(e.length)])
+        return HostPages(e.start_pos, e.length, e.buffer[: self.layout.num_pages(e.length)], e.tag)
 
     def write(
         self, user_id: int, start_pos: int, length: int, first_page: int, fill: PageFill,
-        protect: Collection[int] = (),
+        protect: Collection[int] = (), tag: bytes = b"",
     ) -> HostWriteResult:
         layout = self.layout
         num_pages = layout.num_pages(length)
@@ -182,7 +194,7 @@ class InMemoryHostStorage(HostKVStorage):
             raise ValueError(f"User {user_id}: cannot write pages [{first_page}, {num_pages}) for {length} tokens.")
         old = self._entries.get(user_id)
         if first_page > 0 and (old is None or old.start_pos != start_pos or layout.num_pages(old.length) < first_page):
-            held = None if old is None else HostEntry(old.start_pos, old.length)
+            held = None if old is None else HostEntry(old.start_pos, old.length, old.tag)
             raise ValueError(
                 f"User {user_id}: writing from page {first_page} at start {start_pos} would leave a gap; host holds {held}."
             )
@@ -215,7 +227,7 @@ class InMemoryHostStorage(HostKVStorage):
         except BaseException:
             self.drop(user_id)
             raise
-        old.start_pos, old.length = start_pos, length
+        old.start_pos, old.length, old.tag = start_pos, length, bytes(tag)
         self._entries.move_to_end(user_id)
         return HostWriteResult(True, evicted)
 
@@ -246,7 +258,7 @@ class InMemoryHostStorage(HostKVStorage):
                 continue
             victim = next(u for u in self._entries if u not in keep)  # exists: the caller checked the room
             e = self._entries[victim]
-            evicted.append((victim, HostEntry(e.start_pos, e.length)))
+            evicted.append((victim, HostEntry(e.start_pos, e.length, e.tag)))
             self.drop(victim)
         self._live += nbytes
         return buffer, tuple(evicted)

@@ -40,18 +40,20 @@ from .pool import DevicePagePool
 from .stats import CacheStats, new_counters
 
 UserIds = Sequence[int] | Tensor
+_NOTHING = HostEntry(0, 0)
 _PREPARE_IDS = itertools.count(1)  # process-wide, so a metadata object from another manager is refused too
 
 
 class _Resident:
     """A user's committed tokens on the device (plus reserved pages while in flight)."""
 
-    __slots__ = ("start_pos", "length", "pages")
+    __slots__ = ("start_pos", "length", "pages", "tag")
 
-    def __init__(self, start_pos: int, length: int, pages: array) -> None:
+    def __init__(self, start_pos: int, length: int, pages: array, tag: bytes = b"") -> None:
         self.start_pos = start_pos
         self.length = length
         self.pages = pages
+        self.tag = tag  # the caller's fingerprint of the committed tokens (travels to the host tiers)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class _Pending:
     kept_pages: list[int]  # pages each user held before this prepare's new pages (onloaded ones included)
     created: list[bool]  # the resident entry was created for a user with nothing cached
     tombstones: dict[int, int]  # cleared by this prepare, restored by rollback
+    tags: list[bytes] | None  # applied at commit
 
 
 @dataclass
@@ -74,6 +77,7 @@ class _Plan:
     new_lengths: list[int]
     on_host: dict[int, HostEntry]  # users to onload
     pages_needed: int
+    tags: list[bytes] | None
 
 
 class KVCacheManager:
@@ -125,6 +129,12 @@ class KVCacheManager:
                 self._lost.pop(u, None)
         return torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
 
+    def get_user_tags(self, user_ids: UserIds) -> list[bytes]:
+        """The tag stored with each user's cached tokens (the one `get_user_kvdata_info` reports on);
+        b"" when nothing is cached or the data was stored without a tag."""
+        with self._lock:
+            return [self._cached_entry(u).tag for u in self._refusing(_int_list, user_ids, "user_ids")]
+
     def read_kv(self, user_id: int, layer: int) -> tuple[Tensor, Tensor]:
         """The committed K and V of a user for one layer, [cached_len, H, D] each on the device (a copy)."""
         if not 0 <= layer < self.config.num_layers:
@@ -146,15 +156,18 @@ class KVCacheManager:
             return kv[0], kv[1]
 
     # ------------------------------------------------------------------ prepare / commit / rollback
-    def prepare_kv_cache(self, user_ids: UserIds, start_pos: UserIds, new_lengths: UserIds) -> KVCacheMetadata:
+    def prepare_kv_cache(
+        self, user_ids: UserIds, start_pos: UserIds, new_lengths: UserIds, tags: Sequence[bytes] | None = None
+    ) -> KVCacheMetadata:
         """Validate a batch against the cache, onload and allocate pages, and return where its tokens live.
 
         Each user's input must continue its cached tokens exactly (a user with nothing cached
         may start anywhere). A refused batch raises a `KVCacheRequestError` and changes nothing.
-        The new tokens become part of the cache only at `commit`.
+        The new tokens become part of the cache only at `commit`, and so do `tags` (one per user,
+        describing all the committed tokens; None keeps the users' tags): rollback keeps the old ones.
         """
         with self._lock:
-            plan = self._refusing(self._plan_prepare, user_ids, start_pos, new_lengths)
+            plan = self._refusing(self._plan_prepare, user_ids, start_pos, new_lengths, tags)
             if plan.pages_needed > self._pool.num_free:
                 self._evict_for(plan.pages_needed, batch=set(plan.user_ids), protect=plan.on_host.keys())
             host_pages = self._refusing(self._read_host, plan)
@@ -164,9 +177,12 @@ class KVCacheManager:
         """The forward succeeded: the batch's new tokens become cached."""
         with self._lock:
             pending = self._refusing(self._take_pending, meta)
-            for u, n in zip(pending.user_ids, pending.new_lengths):
+            tags = pending.tags or itertools.repeat(None)
+            for u, n, tag in zip(pending.user_ids, pending.new_lengths, tags):
                 res = self._users[u]
                 res.length += n
+                if tag is not None:
+                    res.tag = tag
                 if res.length == 0:  # a visit with nothing new by a user with nothing cached
                     self._drop_resident(u)
             self._in_flight.difference_update(pending.user_ids)
@@ -299,11 +315,16 @@ class KVCacheManager:
             raise
 
     def _cached(self, u: int) -> tuple[int, int]:
+        entry = self._cached_entry(u)
+        return entry.start_pos, entry.length
+
+    def _cached_entry(self, u: int) -> HostEntry:
+        """What is reusable for the user: the device's committed tokens, else the host's entry, else (0, 0)."""
         res = self._users.get(u)
         if res is not None and res.length:
-            return res.start_pos, res.length
+            return HostEntry(res.start_pos, res.length, res.tag)
         h = self._host.info(u) if res is None else None
-        return (h.start_pos, h.length) if h is not None else (0, 0)
+        return h if h is not None else _NOTHING
 
     def _checked_users(self, user_ids: UserIds, verb: str) -> list[int]:
         users = _int_list(user_ids, "user_ids")
@@ -312,7 +333,9 @@ class KVCacheManager:
                 raise KVCacheRequestError(f"User {u} has a prepare in flight and cannot be {verb}; commit or roll it back first.")
         return users
 
-    def _plan_prepare(self, user_ids: UserIds, start_pos: UserIds, new_lengths: UserIds) -> _Plan:
+    def _plan_prepare(
+        self, user_ids: UserIds, start_pos: UserIds, new_lengths: UserIds, tags: Sequence[bytes] | None
+    ) -> _Plan:
         users = _int_list(user_ids, "user_ids")
         starts = _int_list(start_pos, "start_pos")
         news = _int_list(new_lengths, "new_lengths")
@@ -320,6 +343,7 @@ class KVCacheManager:
             raise KVCacheRequestError(
                 f"user_ids, start_pos and new_lengths differ in length: {len(users)}, {len(starts)}, {len(news)}."
             )
+        tag_list = None if tags is None else _tag_list(tags, len(users))
         if len(set(users)) != len(users):
             seen: set[int] = set()
             dup = next(u for u in users if u in seen or seen.add(u))
@@ -356,7 +380,7 @@ class KVCacheManager:
                 f"The batch needs {need} more pages but the pool can free at most {available} for it "
                 f"(num_pages={self._pool.num_pages}; {held} held by the batch, {in_flight} by prepares in flight)."
             )
-        return _Plan(users, starts, news, on_host, need)
+        return _Plan(users, starts, news, on_host, need, tag_list)
 
     def _read_host(self, plan: _Plan) -> dict[int, HostPages]:
         """Read what to onload. The in-memory tier keeps it (victims' offloads protected it); a tier
@@ -364,7 +388,7 @@ class KVCacheManager:
         out = {}
         for u, entry in plan.on_host.items():
             hp = self._host.read(u)
-            if hp is None or (hp.start_pos, hp.length) != entry:
+            if hp is None or hp.entry != entry:
                 raise KVCacheRequestError(f"User {u}: the host tier lost its data while it was being read; retry.")
             out[u] = hp
         return out
@@ -402,7 +426,9 @@ class KVCacheManager:
                 tombstones[u] = lost.pop(u)
         assert taken == len(fresh)
         prepare_id = next(_PREPARE_IDS)
-        self._pending[prepare_id] = _Pending(tuple(plan.user_ids), plan.new_lengths, kept, created, tombstones)
+        self._pending[prepare_id] = _Pending(
+            tuple(plan.user_ids), plan.new_lengths, kept, created, tombstones, plan.tags
+        )
         self._in_flight.update(plan.user_ids)
         hits = sum(1 for n in cached_len if n)
         self._counters["hits"] += hits
@@ -455,7 +481,7 @@ class KVCacheManager:
 
     def _onload(self, u: int, hp: HostPages, pages: array) -> _Resident:
         self._pool.copy_in(pages, hp.pages)
-        res = self._users[u] = _Resident(hp.start_pos, hp.length, pages)
+        res = self._users[u] = _Resident(hp.start_pos, hp.length, pages, hp.tag)
         self._policy.add(u)
         self._counters["onloaded_bytes"] += len(pages) * self._layout.page_nbytes
         return res
@@ -467,15 +493,18 @@ class KVCacheManager:
         if res is None or res.length == 0:
             return
         h = self._host.info(u)
-        if h is not None and h.start_pos == res.start_pos and h.length == res.length:
+        if h == (res.start_pos, res.length, res.tag):
             return
-        if h is not None and h.start_pos == res.start_pos and h.length < res.length:
-            first = h.length // self._layout.page_size  # rewrite the partial last page, then the new ones
+        num_pages = self._layout.num_pages(res.length)
+        if h is not None and h.start_pos == res.start_pos and h.length <= res.length:
+            # Rewrite the partial last page, then the new ones (the last page alone for a new tag).
+            first = min(h.length // self._layout.page_size, num_pages - 1)
         else:
             first = 0
-        pages = res.pages[first : self._layout.num_pages(res.length)]
+        pages = res.pages[first:num_pages]
         result = self._host.write(
-            u, res.start_pos, res.length, first, lambda dst: self._pool.copy_out(pages, dst), protect=protect
+            u, res.start_pos, res.length, first, lambda dst: self._pool.copy_out(pages, dst),
+            protect=protect, tag=res.tag,
         )
         if result.stored:
             self._counters["offloaded_bytes"] += len(pages) * self._layout.page_nbytes
@@ -508,6 +537,17 @@ def _check_continues(u: int, start: int, cached_start: int, cached_end: int) -> 
         raise KVCacheRequestError(
             f"User {u}: The input sequence has overlapping tokens from {start} to {cached_end - 1} (both inclusive)."
         )
+
+
+def _tag_list(tags: Sequence[bytes], n: int) -> list[bytes]:
+    if isinstance(tags, (bytes, bytearray, str)) or len(tags) != n:
+        raise KVCacheRequestError(f"tags must be a sequence of {n} bytes values (one per user), got {tags!r:.80}.")
+    out = []
+    for t in tags:
+        if not isinstance(t, (bytes, bytearray, memoryview)):
+            raise KVCacheRequestError(f"tags must be bytes values, got {type(t).__name__}.")
+        out.append(bytes(t))
+    return out
 
 
 def _int_list(values: UserIds, name: str) -> list[int]:

@@ -16,6 +16,8 @@ import torch
 
 from data.dataset import InferenceDataset
 from kvcache import KVCacheManager, KVCacheStaleError
+from model.cache_tag import window_tag
+from model.checkpoint import model_fingerprint as fingerprint_of
 from model.recommender import HSTURecommender, StaleKVCacheError
 from model.token_layout import TokenLayout, VisitPlan
 
@@ -43,11 +45,18 @@ class InferenceSession:
         dataset: InferenceDataset,
         kv_cache: KVCacheManager | None = None,
         offload_between_visits: bool = True,
+        model_fingerprint: str | None = None,
     ):
+        """`model_fingerprint` (default: computed from the weights) goes into every cache tag,
+        so K/V written by another model are never reused, in any tier."""
         self.model = model.eval()
         self.dataset = dataset
         self.kv_cache = kv_cache
         self.offload_between_visits = offload_between_visits
+        self.tag_mismatches = 0  # cached windows dropped because their inputs changed
+        self._fingerprint = ""
+        if kv_cache is not None:
+            self._fingerprint = model_fingerprint or fingerprint_of(model)
         if kv_cache is not None:
             cfg, kv = model.config, kv_cache.config
             if (kv.num_layers, kv.num_heads, kv.head_dim) != (cfg.num_layers, cfg.num_heads, cfg.head_dim):
@@ -67,10 +76,14 @@ class InferenceSession:
 
         for attempt in range(1, MAX_PLAN_ATTEMPTS + 1):
             plan = plan_visits(self.model.layout, self.kv_cache, user_ids, ends)
+            tags = None
+            if self.kv_cache is not None:
+                plan = self._drop_mismatched_tags(plan, user_ids)
+                tags = [self._tag(u, w, e) for u, w, e in zip(user_ids.tolist(), plan.window_starts.tolist(), ends.tolist())]
             batch = self.dataset.make_batch(request_indices, plan.starts, plan.window_starts).to(self.model.device)
             try:
                 with torch.inference_mode():
-                    logits = self.model(batch, self.kv_cache)
+                    logits = self.model(batch, self.kv_cache, cache_tags=tags)
                 break
             except (StaleKVCacheError, KVCacheStaleError) as err:
                 if attempt == MAX_PLAN_ATTEMPTS:
@@ -91,6 +104,27 @@ class InferenceSession:
             tokens_computed=int(spans.history_lengths.sum() + batch.candidate_lengths.sum()),
             tokens_reused=int(spans.expected_cached_lengths.sum()),
         )
+
+    def _tag(self, user_id: int, window_start: int, end: int) -> bytes:
+        events = self.dataset.user_events(user_id, window_start, end)
+        return window_tag(self._fingerprint, window_start, self.model.config.num_prefix_tokens, events)
+
+    def _drop_mismatched_tags(self, plan: VisitPlan, user_ids: np.ndarray) -> VisitPlan:
+        """Continue a cached window only if its tag matches the events it claims to hold."""
+        reusing = np.flatnonzero(plan.starts > plan.window_starts)
+        if len(reusing) == 0:
+            return plan
+        stored = self.kv_cache.get_user_tags(user_ids[reusing].tolist())
+        stale = [i for i, tag in zip(reusing.tolist(), stored)
+                 if tag != self._tag(int(user_ids[i]), int(plan.window_starts[i]), int(plan.starts[i]))]
+        if not stale:
+            return plan
+        self.tag_mismatches += len(stale)
+        log.warning("recomputing %d user(s) whose cached K/V do not match their history", len(stale))
+        self.kv_cache.invalidate_kv_cache(user_ids[stale].tolist())
+        starts = plan.starts.copy()
+        starts[stale] = plan.window_starts[stale]
+        return VisitPlan(plan.window_starts, starts, invalidate=plan.invalidate)
 
 
 def plan_visits(layout: TokenLayout, kv_cache: KVCacheManager | None, user_ids: np.ndarray, ends: np.ndarray) -> VisitPlan:

@@ -42,14 +42,17 @@ class HSTURecommender(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.output_norm.weight.dtype
 
-    def forward(self, batch: VisitBatch, kv_cache: KVCacheManager | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: VisitBatch, kv_cache: KVCacheManager | None = None, cache_tags: list[bytes] | None = None
+    ) -> torch.Tensor:
         """Candidate logits [sum candidate_lengths, num_tasks].
 
         Without a cache the batch must carry each user's whole window (starts ==
         window_starts). With one, it carries only the uncached events: the cache is
         prepared for the new history tokens, every layer appends their K/V and attends over
         cached + new, and the cache is committed only if the whole forward succeeds (rolled
-        back and re-raised otherwise).
+        back and re-raised otherwise). `cache_tags` (one per user, see model/cache_tag.py)
+        are stored with the users' K/V on commit.
         """
         spans = self.layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
         self._validate(batch, spans, cached=kv_cache is not None)
@@ -60,7 +63,7 @@ class HSTURecommender(nn.Module):
             return self._run_layers(x_hist, x_cand, plan, WindowKV())
 
         user_ids = batch.user_ids.tolist()
-        metadata = kv_cache.prepare_kv_cache(user_ids, spans.start_pos, spans.history_lengths)
+        metadata = kv_cache.prepare_kv_cache(user_ids, spans.start_pos, spans.history_lengths, tags=cache_tags)
         try:
             _check_cache_matches_plan(metadata, spans, batch, user_ids)
             plan = AttentionPlan.from_lengths(

@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from data.preprocess import preprocess
-from data.manifest import PreprocessParams
-from data.synthetic import generate
 from model.train import main as train_main
+from pipeline_helpers import build_processed
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "benchmark" / "inference_end2end_example.py"
@@ -28,8 +26,7 @@ def load_example():
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
-    generate(root / "raw", scale=0.002, seed=3, progress=False)
-    preprocess(root / "raw", root / "processed", PreprocessParams(num_candidates=16), progress=False)
+    build_processed(root)
     assert train_main(["--data_dir", str(root / "processed"), "--checkpoint", str(root / "ckpt"),
                        "--preset", "tiny", "--max_train_requests", "40", "--batch_size", "8"]) == 0
     return root

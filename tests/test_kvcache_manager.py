@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvcache import (
+    HostEntry,
     HostKVStorage,
     InMemoryHostStorage,
     KVCacheCapacityError,
@@ -302,7 +303,7 @@ def test_offload_is_incremental_and_host_matches_device():
     serve(mgr, [1], [6], [7])  # 13 tokens: page 1 rewritten, pages 2 and 3 new
     mgr.offload_kv_cache([1])
     assert mgr.stats().offloaded_bytes == 5 * page
-    assert mgr._host.info(1) == (0, 13)
+    assert mgr._host.info(1) == HostEntry(0, 13)
     mgr.evict_kv_cache()
     _assert_holds(mgr, 1, 0, 13)
     serve(mgr, [1], [13], [1])
@@ -350,7 +351,7 @@ def test_host_eviction_of_a_device_evicted_user_is_visible_and_nothing_stale():
     assert stats.host_evictions == 1 and stats.users_on_host == 1
     serve(mgr, [2], [8], [8])
     mgr.offload_kv_cache([2])  # 4 pages do not fit in a 3-page tier: not stored
-    assert mgr.stats().host_rejected_writes == 1 and mgr._host.info(2) == (0, 8)
+    assert mgr.stats().host_rejected_writes == 1 and mgr._host.info(2) == HostEntry(0, 8)
 
 
 def test_victims_offload_never_pushes_out_the_data_being_onloaded():

@@ -1,0 +1,139 @@
+"""InferenceSession on preprocessed data: parity, cache tags (stale-data guard), re-planning."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from data.dataset import InferenceDataset
+from model.inference import InferenceSession
+from model.train import config_for_dataset
+from model_helpers import assert_logits_close, make_cache
+from pipeline_helpers import build_processed
+from test_model_parity import sensitive_model
+
+
+@pytest.fixture(scope="module")
+def processed(tmp_path_factory):
+    return build_processed(tmp_path_factory.mktemp("session"))
+
+
+@pytest.fixture()
+def setup(processed):
+    dataset = InferenceDataset(processed)  # fresh per test: some tests rewrite its events
+    cfg = config_for_dataset("tiny", dataset)
+    return dataset, cfg, sensitive_model(cfg, 0)
+
+
+def replay(session, dataset, indices, batch_size=4):
+    return [session.serve(b) for b in dataset.batches(indices, batch_size)]
+
+
+def test_session_with_cache_matches_full_recompute(setup):
+    dataset, cfg, model = setup
+    indices = dataset.request_indices(max_requests=80)
+    cache = make_cache(cfg, num_pages=256)
+    cached = replay(InferenceSession(model, dataset, kv_cache=cache), dataset, indices)
+    full = replay(InferenceSession(model, dataset), dataset, indices)
+    for c, f in zip(cached, full):
+        assert np.array_equal(c.request_ids, f.request_ids)
+        assert_logits_close(c.logits, f.logits)
+    assert sum(r.tokens_reused for r in cached) > 0
+    assert sum(r.tokens_computed for r in cached) < sum(r.tokens_computed for r in full)
+
+
+def user_with_two_visits(dataset):
+    req = dataset.requests
+    users, counts = np.unique(req.user_id, return_counts=True)
+    user = int(users[np.argmax(counts)])
+    first, second = np.flatnonzero(req.user_id == user)[:2]
+    return user, first, second
+
+
+def rewrite_first_event(processed, out, user):
+    """A copy of the preprocessed output in which upstream changed the user's event 0."""
+    shutil.copytree(processed, out)
+    table = pq.read_table(out / "sequences.parquet")
+    videos = table.column("video_ids").to_pylist()
+    row = table.column("user_id").to_pylist().index(user)
+    videos[row][0] += 1
+    column = pa.array(videos, type=table.schema.field("video_ids").type)
+    pq.write_table(table.set_column(table.column_names.index("video_ids"), "video_ids", column), out / "sequences.parquet")
+    return InferenceDataset(out)
+
+
+def test_rewritten_history_is_detected_and_recomputed(setup, processed, tmp_path):
+    dataset, cfg, model = setup
+    user, first, second = user_with_two_visits(dataset)
+    cache = make_cache(cfg, num_pages=256)
+    InferenceSession(model, dataset, kv_cache=cache).serve(np.array([first]))
+    rewritten = rewrite_first_event(processed, tmp_path / "rewritten", user)
+    session = InferenceSession(model, rewritten, kv_cache=cache)
+    result = session.serve(np.array([second]))
+    assert session.tag_mismatches == 1 and result.tokens_reused == 0
+    assert_logits_close(result.logits, InferenceSession(model, rewritten).serve(np.array([second])).logits)
+    # The unchanged history is still served from the cache on the next visit.
+    assert session.serve(np.array([np.flatnonzero(rewritten.requests.user_id == user)[2]])).tokens_reused > 0
+
+
+def test_cache_written_by_another_model_is_not_reused(setup):
+    dataset, cfg, model = setup
+    user, first, second = user_with_two_visits(dataset)
+    cache = make_cache(cfg, num_pages=256)
+    InferenceSession(model, dataset, kv_cache=cache).serve(np.array([first]))
+    other = sensitive_model(cfg, 1)
+    session = InferenceSession(other, dataset, kv_cache=cache)
+    result = session.serve(np.array([second]))
+    assert session.tag_mismatches == 1
+    assert_logits_close(result.logits, InferenceSession(other, dataset).serve(np.array([second])).logits)
+
+
+def test_data_lost_between_plan_and_prepare_is_replanned(setup, monkeypatch):
+    dataset, cfg, model = setup
+    user, first, second = user_with_two_visits(dataset)
+    cache = make_cache(cfg, num_pages=256)
+    session = InferenceSession(model, dataset, kv_cache=cache)
+    session.serve(np.array([first]))
+    prepare = cache.prepare_kv_cache
+    calls = []
+
+    def losing_prepare(*args, **kwargs):
+        if not calls:  # another caller evicts the user from every tier right after our plan
+            cache.invalidate_kv_cache([user])
+        calls.append(1)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(cache, "prepare_kv_cache", losing_prepare)
+    result = session.serve(np.array([second]))
+    assert len(calls) == 2
+    assert_logits_close(result.logits, InferenceSession(model, dataset).serve(np.array([second])).logits)
+
+
+def test_cache_of_another_geometry_is_refused(setup):
+    dataset, cfg, model = setup
+    with pytest.raises(ValueError, match="does not match the model"):
+        InferenceSession(model, dataset, kv_cache=make_cache(cfg.replace(num_layers=cfg.num_layers + 1)))
+
+
+def test_a_batch_with_one_user_twice_is_refused(setup):
+    dataset, cfg, model = setup
+    user, first, second = user_with_two_visits(dataset)
+    cache = make_cache(cfg)
+    with pytest.raises(ValueError, match="at most once"):
+        InferenceSession(model, dataset, kv_cache=cache).serve(np.array([first, second]))
+    assert cache.stats().pages_in_use == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_bf16_session_close_to_fp32(setup, dtype):
+    dataset, cfg, model = setup
+    indices = dataset.request_indices(max_requests=30)
+    full = replay(InferenceSession(model, dataset), dataset, indices)
+    low = sensitive_model(cfg, 0).to(dtype)
+    cached = replay(InferenceSession(low, dataset, kv_cache=make_cache(cfg, dtype=dtype)), dataset, indices)
+    for c, f in zip(cached, full):
+        assert_logits_close(c.logits, f.logits, rel=5e-2)
