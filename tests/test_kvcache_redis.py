@@ -1,0 +1,360 @@
+"""RedisHostStorage against a real redis-server: the HostKVStorage contract, integrity, sharing, capacity."""
+import threading
+import time
+
+import pytest
+import redis
+import torch
+
+from kvcache import HostEntry, KVCacheConfig, KVCacheManager, PageLayout
+from kvcache.redis_storage import RedisHostStorage, TierDataError
+from kvcache.testing import expected_kv, serve
+from redis_server import private_redis_server, redis_server, unique_namespace  # noqa: F401 (fixtures)
+
+LAYOUT = PageLayout(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
+PAGE = LAYOUT.page_nbytes  # 128 bytes
+
+
+def _store(url, capacity_pages=64, layout=LAYOUT, namespace=None, **kwargs):
+    s = RedisHostStorage(url, namespace or unique_namespace(), capacity_pages * layout.page_nbytes, **kwargs)
+    s.bind(layout)
+    return s
+
+
+def _random_pages(n, layout=LAYOUT, seed=0):
+    """Pages of random bits (NaNs and denormals included): compared bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 256, (n * layout.page_nbytes,), dtype=torch.uint8, generator=g)
+    return bits.view(layout.dtype).view(n, *layout.page_shape)
+
+
+def _fill(pages):
+    return lambda dst: dst.copy_(pages)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _keys(client, storage, pattern="*"):
+    return sorted(client.scan_iter(f"{storage.prefix}:{pattern}", count=1000))
+
+
+# ---------------------------------------------------------------------- the contract
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_round_trip_is_bit_identical(redis_server, dtype, page_size):
+    layout = PageLayout(num_layers=3, num_heads=2, head_dim=8, page_size=page_size, dtype=dtype)
+    s = _store(redis_server, layout=layout)
+    pages = _random_pages(5, layout)
+    length = 4 * page_size + 1  # last page partial
+    assert s.write(9, 3, length, 0, _fill(pages), tag=b"\x00" * 31 + b"\xff").stored
+    hp = s.read(9)
+    assert hp.entry == HostEntry(3, length, b"\x00" * 31 + b"\xff") == s.info(9)
+    assert hp.pages.dtype == dtype and hp.pages.shape == pages.shape
+    assert torch.equal(_bits(hp.pages), _bits(pages))
+
+
+def test_incremental_write_sends_only_new_pages_and_keeps_the_rest(redis_server):
+    s = _store(redis_server)
+    client = redis.Redis.from_url(redis_server)
+    first = _random_pages(3, seed=1)
+    assert s.write(7, 10, 10, 0, _fill(first), tag=b"a").stored  # tokens [10, 20): pages 0, 1, 2 (partial)
+    kept = _keys(client, s, "u:7:p:*")[:2]
+    new = _random_pages(2, seed=2)
+    assert s.write(7, 10, 16, 2, _fill(new), tag=b"b").stored  # page 2 rewritten, page 3 new
+    keys = _keys(client, s, "u:7:p:*")
+    assert len(keys) == 4 and set(kept) < set(keys)  # pages 0, 1 were not sent again (their keys name the first write)
+    hp = s.read(7)
+    assert hp.entry == HostEntry(10, 16, b"b")
+    assert torch.equal(_bits(hp.pages), _bits(torch.cat([first[:2], new])))
+    assert s.bytes_used == 4 * PAGE
+
+
+def test_write_from_page_zero_replaces_another_window(redis_server):
+    s = _store(redis_server)
+    s.write(7, 0, 12, 0, _fill(_random_pages(3)))
+    s.write(7, 40, 3, 0, _fill(_random_pages(1, seed=5)))
+    hp = s.read(7)
+    assert hp.entry == HostEntry(40, 3) and torch.equal(_bits(hp.pages), _bits(_random_pages(1, seed=5)))
+    assert s.bytes_used == PAGE
+
+
+@pytest.mark.parametrize("setup, args", [
+    (None, (0, 8, 1)),  # nothing stored, writing from page 1
+    ((0, 4), (0, 12, 2)),  # holds one page, writing from page 2
+    ((0, 4), (3, 8, 1)),  # another start
+    ((0, 4), (0, 0, 0)),  # empty write
+    ((0, 4), (0, 8, 2)),  # first_page past the end
+])
+def test_write_refuses_gaps_and_bad_ranges(redis_server, setup, args):
+    s = _store(redis_server)
+    if setup:
+        s.write(7, setup[0], setup[1], 0, _fill(_random_pages(1)))
+    start, length, first = args
+    with pytest.raises(ValueError):
+        s.write(7, start, length, first, _fill(_random_pages(max(LAYOUT.num_pages(length) - first, 0))))
+    assert s.info(7) == (None if setup is None else HostEntry(*setup))
+
+
+def test_fill_error_drops_the_entry_and_propagates(redis_server):
+    s = _store(redis_server)
+    s.write(7, 0, 4, 0, _fill(_random_pages(1)))
+
+    def boom(dst):
+        raise RuntimeError("device copy failed")
+
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        s.write(7, 0, 8, 1, boom)
+    assert s.info(7) is None and s.bytes_used == 0
+
+
+def test_drop_removes_every_key_of_the_user(redis_server):
+    s = _store(redis_server)
+    client = redis.Redis.from_url(redis_server)
+    s.write(1, 0, 9, 0, _fill(_random_pages(3)))
+    s.write(2, 0, 4, 0, _fill(_random_pages(1)))
+    assert s.drop(1) and not s.drop(1)
+    assert s.info(1) is None and s.read(1) is None
+    assert _keys(client, s, "u:1:*") == [] and s.bytes_used == PAGE and s.num_users == 1
+
+
+def test_namespaces_and_layouts_are_isolated(redis_server):
+    other_layout = PageLayout(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.bfloat16)
+    ns = unique_namespace()
+    a = _store(redis_server, namespace=ns)
+    b = _store(redis_server)  # another model fingerprint
+    c = _store(redis_server, namespace=ns, layout=other_layout)  # same namespace, another page layout
+    a.write(5, 0, 4, 0, _fill(_random_pages(1, seed=1)), tag=b"a")
+    assert b.info(5) is None and c.info(5) is None
+    b.write(5, 8, 8, 0, _fill(_random_pages(2, seed=2)), tag=b"b")
+    c.write(5, 0, 4, 0, _fill(_random_pages(1, other_layout, seed=3)), tag=b"c")
+    assert (a.info(5), b.info(5), c.info(5)) == (HostEntry(0, 4, b"a"), HostEntry(8, 8, b"b"), HostEntry(0, 4, b"c"))
+    assert c.read(5).pages.dtype == torch.bfloat16
+    assert b.drop(5) and a.info(5) == HostEntry(0, 4, b"a") and c.info(5) is not None
+    assert torch.equal(a.read(5).pages, _random_pages(1, seed=1))
+
+
+def test_keys_persist_without_ttl_and_expire_with_one(redis_server):
+    client = redis.Redis.from_url(redis_server)
+    s = _store(redis_server)
+    s.write(1, 0, 8, 0, _fill(_random_pages(2)))
+    assert {client.pttl(k) for k in _keys(client, s, "u:1:*")} == {-1}  # pending expiry cleared at commit
+    t = _store(redis_server, ttl_seconds=30)
+    t.write(1, 0, 8, 0, _fill(_random_pages(2)))
+    t.write(1, 0, 12, 1, _fill(_random_pages(2)))  # refreshes the kept page 0 as well
+    ttls = [client.pttl(k) for k in _keys(client, t, "u:1:*")]
+    assert len(ttls) == 4 and all(25_000 < ms <= 30_000 for ms in ttls)
+    for k in _keys(client, t, "u:1:*"):
+        client.pexpire(k, 5_000)
+    t.read(1)  # a read refreshes the TTL too
+    assert all(ms > 25_000 for ms in (client.pttl(k) for k in _keys(client, t, "u:1:*")))
+
+
+# ---------------------------------------------------------------------- capacity and LRU
+def test_lru_eviction_spares_the_writer_and_protected_users(redis_server):
+    s = _store(redis_server, capacity_pages=4)
+    for u in (1, 2, 3):
+        s.write(u, 0, 4, 0, _fill(_random_pages(1)), tag=bytes([u]))
+    s.read(1)  # 1 becomes most recently used: 2 is now least recently used
+    result = s.write(3, 0, 12, 1, _fill(_random_pages(2)))  # 3 grows to 3 pages: needs 1 more than free
+    assert result.stored and result.evicted == ((2, HostEntry(0, 4, b"\x02")),)
+    assert s.info(2) is None and s.info(1) == HostEntry(0, 4, b"\x01") and s.info(3) == HostEntry(0, 12)
+    result = s.write(4, 0, 4, 0, _fill(_random_pages(1)), protect=[1])  # 1 is older than 3, but protected
+    assert result.stored and [u for u, _ in result.evicted] == [3]
+    assert not s.write(5, 0, 16, 0, _fill(_random_pages(4)), protect=[1]).stored  # does not fit beside 1
+    assert s.info(1) is not None and s.info(4) is not None
+
+
+def test_user_larger_than_the_tier_is_not_stored_and_nothing_changes(redis_server):
+    s = _store(redis_server, capacity_pages=2)
+    s.write(1, 0, 4, 0, _fill(_random_pages(1)))
+    s.write(2, 0, 4, 0, _fill(_random_pages(1)))
+    assert s.write(2, 0, 12, 1, _fill(_random_pages(2))) == (False, ())
+    assert s.info(1) == HostEntry(0, 4) and s.info(2) == HostEntry(0, 4) and s.bytes_used == 2 * PAGE
+
+
+def test_namespace_stays_within_capacity_with_two_writers(redis_server):
+    """A working set 30x the capacity written by two clients: the page bytes found in Redis never exceed it."""
+    ns, capacity_pages = unique_namespace(), 12
+    writers = [_store(redis_server, capacity_pages, namespace=ns) for _ in range(2)]
+    client = redis.Redis.from_url(redis_server)
+    g = torch.Generator().manual_seed(0)
+    lengths = {}
+    for step in range(120):
+        s = writers[step % 2]
+        u = int(torch.randint(0, 60, (1,), generator=g))
+        old = s.info(u)
+        grow = int(torch.randint(1, 9, (1,), generator=g))
+        if old is not None and old.length + grow <= 5 * LAYOUT.page_size:
+            first, length = old.length // LAYOUT.page_size, old.length + grow
+        else:
+            first, length = 0, grow
+        s.write(u, 0, length, first, _fill(_random_pages(LAYOUT.num_pages(length) - first, seed=step)))
+        lengths[u] = length
+        page_keys = _keys(client, s, "u:*:p:*")
+        stored = sum(client.strlen(k) for k in page_keys)
+        assert stored <= capacity_pages * PAGE
+        assert stored == s.bytes_used == sum(LAYOUT.num_pages(e.length) * PAGE
+                                             for e in map(s.info, range(60)) if e is not None)
+    users = [u for u in range(60) if s.info(u) is not None]
+    assert 3 <= len(users) == s.num_users < 60
+    meta_bytes = sum(client.memory_usage(k) for k in _keys(client, s) if b":p:" not in k)
+    # Metadata slack documented in docs/kvcache.md: under 400 bytes per stored user here (small pages).
+    assert meta_bytes <= 400 * len(users) + 1024, meta_bytes
+
+
+# ---------------------------------------------------------------------- integrity
+@pytest.mark.parametrize("tamper", ["flip", "truncate", "meta"])
+def test_tampered_data_is_a_miss_never_wrong_data(redis_server, tamper):
+    s = _store(redis_server)
+    client = redis.Redis.from_url(redis_server)
+    s.write(3, 0, 12, 0, _fill(_random_pages(3)))
+    page = _keys(client, s, "u:3:p:*")[1]
+    if tamper == "flip":
+        value = bytearray(client.get(page))
+        value[17] ^= 0x01
+        client.set(page, bytes(value))
+    elif tamper == "truncate":
+        client.set(page, client.get(page)[:-4])
+    else:
+        client.hset(f"{s.prefix}:u:3:meta", "length", "999")
+    with pytest.raises(TierDataError):
+        s.read(3)
+    assert s.info(3) is None and s.read(3) is None and s.bytes_used == 0  # dropped: the next visit recomputes
+    assert s.stats.bad_reads == 1
+
+
+def test_a_page_lost_under_the_reader_is_a_miss(redis_server):
+    s = _store(redis_server)
+    client = redis.Redis.from_url(redis_server)
+    s.write(3, 0, 12, 0, _fill(_random_pages(3)))
+    client.delete(_keys(client, s, "u:3:p:*")[0])  # e.g. evicted by a Redis maxmemory policy
+    assert s.read(3) is None and s.info(3) is None and s.stats.lost_reads == 1
+
+
+def test_unreachable_server_raises_quickly(private_redis_server):
+    s = _store(private_redis_server.url, timeout_s=0.2)
+    s.write(1, 0, 4, 0, _fill(_random_pages(1)))
+    private_redis_server.stop()
+    for call in (lambda: s.info(1), lambda: s.read(1), lambda: s.write(1, 0, 4, 0, _fill(_random_pages(1)))):
+        t0 = time.monotonic()
+        with pytest.raises(redis.ConnectionError):
+            call()
+        assert time.monotonic() - t0 < 2.0
+
+
+# ---------------------------------------------------------------------- several writers
+def test_last_complete_write_wins_and_leaks_no_pages(redis_server):
+    ns = unique_namespace()
+    a, b = _store(redis_server, namespace=ns), _store(redis_server, namespace=ns)
+    client = redis.Redis.from_url(redis_server)
+    a.write(1, 0, 12, 0, _fill(_random_pages(3, seed=1)), tag=b"a")
+    b.write(1, 0, 8, 0, _fill(_random_pages(2, seed=2)), tag=b"b")
+    assert a.info(1) == HostEntry(0, 8, b"b")
+    assert torch.equal(_bits(a.read(1).pages), _bits(_random_pages(2, seed=2)))
+    assert len(_keys(client, a, "u:1:p:*")) == 2 and a.bytes_used == 2 * PAGE
+
+
+def test_incremental_write_on_a_replaced_base_is_refused(redis_server):
+    """Node A extends the entry it read while node B replaces it: B's complete entry stays, A's is not stored."""
+    ns = unique_namespace()
+    a, b = _store(redis_server, namespace=ns), _store(redis_server, namespace=ns)
+    client = redis.Redis.from_url(redis_server)
+    a.write(1, 0, 8, 0, _fill(_random_pages(2, seed=1)))
+
+    def fill_while_b_writes(dst):
+        b.write(1, 0, 12, 0, _fill(_random_pages(3, seed=2)), tag=b"b")
+        assert a.read(1).entry == HostEntry(0, 12, b"b")  # readers see B's entry whole, never A's pages
+        dst.copy_(_random_pages(1, seed=3))
+
+    assert a.write(1, 0, 12, 2, fill_while_b_writes, tag=b"a") == (False, ())
+    assert a.stats.conflicts == 1
+    hp = a.read(1)
+    assert hp.entry == HostEntry(0, 12, b"b") and torch.equal(_bits(hp.pages), _bits(_random_pages(3, seed=2)))
+    assert len(_keys(client, a, "u:1:p:*")) == 3  # A's uploaded page was deleted
+
+
+def test_concurrent_writers_and_a_reader_never_mix_writes(redis_server):
+    """Two writers rewrite one user with pages that all hold their write's number; every read is uniform."""
+    ns, stop, errors, seen = unique_namespace(), threading.Event(), [], set()
+
+    def writer(k):
+        s = _store(redis_server, namespace=ns)
+        i = 0
+        try:
+            while not stop.is_set():
+                i += 1
+                value = float(k * 100_000 + i)
+                n = 1 + i % 4
+                first = 0
+                info = s.info(1)
+                if i % 3 == 0 and info is not None and info.length == 4 * n - 4:
+                    first = n - 1  # incremental: valid only if the whole entry holds one value (checked by tags)
+                try:
+                    s.write(1, 0, 4 * n, first, lambda dst: dst.fill_(value), tag=str(value).encode())
+                except ValueError:
+                    pass  # the other writer changed the entry between info() and write(): a refused gap
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def reader():
+        s = _store(redis_server, namespace=ns)
+        try:
+            while not stop.is_set():
+                hp = s.read(1)
+                if hp is None:
+                    continue
+                values = hp.pages.view(hp.pages.shape[0], -1)
+                # An incremental write keeps the old pages: the tag names the newest page's value.
+                assert float(values[-1, 0]) == float(hp.tag.decode())
+                assert all(bool((row == row[0]).all()) for row in values)
+                assert hp.pages.shape[0] == LAYOUT.num_pages(hp.length)
+                seen.add(hp.tag)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in (1, 2)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(seen) > 5
+    s = _store(redis_server, namespace=ns)
+    client = redis.Redis.from_url(redis_server)
+    assert len(_keys(client, s, "u:1:p:*")) == LAYOUT.num_pages(s.info(1).length)  # nothing leaked
+
+
+# ---------------------------------------------------------------------- two inference nodes
+CFG = KVCacheConfig(num_layers=2, num_heads=2, head_dim=4, page_size=4, num_pages=64)
+
+
+def _assert_cached(mgr, user, start, length):
+    s, n = mgr.get_user_kvdata_info([user])
+    assert (int(s), int(n)) == (start, length)
+    for layer in range(CFG.num_layers):
+        k, v = mgr.read_kv(user, layer)
+        ek, ev = expected_kv(CFG.page_layout, user, start, length, layer)
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def test_a_user_served_by_one_node_is_reused_by_another(redis_server):
+    ns = unique_namespace()
+    node_a = KVCacheManager(CFG, host_storage=RedisHostStorage(redis_server, ns, 1 << 20))
+    node_b = KVCacheManager(CFG, host_storage=RedisHostStorage(redis_server, ns, 1 << 20))
+    serve(node_a, [1, 2], [0, 0], [10, 7])
+    node_a.offload_kv_cache()
+    serve(node_a, [1], [10], [5])
+    node_a.offload_kv_cache([1])  # incremental
+    _assert_cached(node_b, 1, 0, 15)
+    _assert_cached(node_b, 2, 0, 7)
+    meta = serve(node_b, [1], [15], [3])  # the user returns to node B: its 15 tokens are onloaded, 3 computed
+    assert meta.cached_lengths.tolist() == [15] and node_b.stats().tokens_reused == 15
+    node_b.offload_kv_cache([1])
+    node_a.evict_kv_cache([1])
+    _assert_cached(node_a, 1, 0, 18)
+    node_a.check_invariants()
+    node_b.check_invariants()
