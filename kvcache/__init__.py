@@ -7,19 +7,27 @@
     for layer ...: paged_kvcache_ops.append_kvcache(mgr.k_cache(l), mgr.v_cache(l), k, v, meta.new_token_slots)
                    k_all, v_all = paged_kvcache_ops.gather_kvcache(mgr.k_cache(l), mgr.v_cache(l), meta.kv_slots)
     mgr.commit(meta)   # or mgr.rollback(meta) if the forward failed
+
+Host tiers (in-memory, persistent directory, shared Redis) chain behind the device:
+KVCacheConfig(..., persistent_dir=..., redis_url=..., redis_namespace=model_fingerprint).
 """
 from . import paged_kvcache_ops
 from .config import KVCacheConfig, PageLayout
 from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
-from .host_storage import HostEntry, HostKVStorage, HostPages, HostWriteResult, InMemoryHostStorage
+from .disk_storage import DiskHostStorage
+from .fail_open import FailOpenStorage
+from .host_storage import HostEntry, HostKVStorage, HostPages, HostWriteResult, InMemoryHostStorage, TierDataError
 from .manager import KVCacheManager
 from .metadata import KVCacheMetadata
 from .policy import EvictionPolicy, LFUPolicy, LRUPolicy
 from .stats import CacheStats
+from .tiered_storage import TieredHostStorage, build_host_storage
 
 __all__ = [
     "CacheStats",
+    "DiskHostStorage",
     "EvictionPolicy",
+    "FailOpenStorage",
     "HostEntry",
     "HostKVStorage",
     "HostPages",
@@ -34,5 +42,8 @@ __all__ = [
     "LFUPolicy",
     "LRUPolicy",
     "PageLayout",
+    "TierDataError",
+    "TieredHostStorage",
+    "build_host_storage",
     "paged_kvcache_ops",
 ]

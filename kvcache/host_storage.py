@@ -23,10 +23,10 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Callable, Collection, NamedTuple
 
-import torch
 from torch import Tensor
 
 from .config import PageLayout
+from .page_io import check_write, new_pages
 
 # Fills a host tensor [k, *page_shape] with pages; returns once the tensor holds them.
 PageFill = Callable[[Tensor], None]
@@ -52,6 +52,14 @@ class HostPages(NamedTuple):
 class HostWriteResult(NamedTuple):
     stored: bool  # False: the user does not fit in the whole tier; its entry is unchanged
     evicted: tuple[tuple[int, HostEntry], ...]  # users this write dropped to make room, with what they held
+
+
+class TierDataError(RuntimeError):
+    """A tier found its stored data invalid (checksum, size, malformed metadata) and dropped the entry.
+
+    Raised by tiers that report bad data rather than hide it; `FailOpenStorage` counts it as a
+    corrupt read and serves a miss.
+    """
 
 
 class HostKVStorage(ABC):
@@ -92,7 +100,8 @@ class HostKVStorage(ABC):
     def read(self, user_id: int) -> HostPages | None:
         """The user's pages, or None. Marks the user recently used.
 
-        The pages may be a view of the tier's memory: valid until the next call to the storage.
+        The pages may be a view of the tier's memory: valid until the next `write` or `drop` on
+        the storage (reads of other users keep it valid: the manager reads a batch, then onloads it).
         """
 
     @abstractmethod
@@ -116,6 +125,23 @@ class HostKVStorage(ABC):
     @abstractmethod
     def drop(self, user_id: int) -> bool:
         """Forget the user; True if it was stored."""
+
+    def counters(self) -> dict[str, int]:
+        """Event counters of this tier and of the tiers it wraps, summed by name
+        (`failures`, `timeouts`, `corrupt_reads`, ...); what `CacheStats` reports as `tier_*`."""
+        return {}
+
+    def close(self) -> None:
+        """Release files, connections and threads. The manager closes the storage it built."""
+
+
+def sum_counters(*counters: dict[str, int]) -> dict[str, int]:
+    """Counters of several tiers, summed by name."""
+    out: dict[str, int] = {}
+    for c in counters:
+        for name, value in c.items():
+            out[name] = out.get(name, 0) + value
+    return out
 
 
 class _Entry:
@@ -189,15 +215,9 @@ class InMemoryHostStorage(HostKVStorage):
         protect: Collection[int] = (), tag: bytes = b"",
     ) -> HostWriteResult:
         layout = self.layout
-        num_pages = layout.num_pages(length)
-        if length <= 0 or not 0 <= first_page < num_pages:
-            raise ValueError(f"User {user_id}: cannot write pages [{first_page}, {num_pages}) for {length} tokens.")
         old = self._entries.get(user_id)
-        if first_page > 0 and (old is None or old.start_pos != start_pos or layout.num_pages(old.length) < first_page):
-            held = None if old is None else HostEntry(old.start_pos, old.length, old.tag)
-            raise ValueError(
-                f"User {user_id}: writing from page {first_page} at start {start_pos} would leave a gap; host holds {held}."
-            )
+        held = None if old is None else HostEntry(old.start_pos, old.length, old.tag)
+        num_pages = check_write(layout, user_id, start_pos, length, first_page, held)
         evicted: tuple[tuple[int, HostEntry], ...] = ()
         if old is not None and old.buffer.shape[0] >= num_pages:
             buffer = old.buffer  # rewrite in place
@@ -251,7 +271,7 @@ class InMemoryHostStorage(HostKVStorage):
                 buffer = self._pop_idle(pages)
                 break
             if self._live - credit + self._idle_bytes + nbytes <= self._capacity:
-                buffer = torch.empty((pages, *self.layout.page_shape), dtype=self.layout.dtype, pin_memory=self._pin)
+                buffer = new_pages(self.layout, pages, pin_memory=self._pin)
                 break
             if self._idle:
                 self._pop_idle(max(self._idle))  # released to the allocator

@@ -12,8 +12,9 @@ A user is, at any time, in one of these states (docs/kvcache.md draws the machin
 * in flight: resident, with a prepared but uncommitted batch; its extra pages are reserved
   and its length only moves at commit.
 
-The host tier is the source of truth for what it holds (it may evict on its own); the
-manager never mirrors it, it asks `info`.
+The host tier is the source of truth for what it holds (it may evict on its own, and a
+persistent or shared tier may lose or change data behind the manager's back); the manager
+never mirrors it, it asks `info`.
 """
 from __future__ import annotations
 
@@ -32,12 +33,13 @@ from torch import Tensor
 from . import paged_kvcache_ops
 from .config import KVCacheConfig
 from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
-from .host_storage import HostEntry, HostKVStorage, HostPages, InMemoryHostStorage
+from .host_storage import HostEntry, HostKVStorage, HostPages
 from .metadata import KVCacheMetadata, build_metadata, token_slots
 from .offload import OffloadWorker
 from .policy import make_policy
 from .pool import DevicePagePool
-from .stats import CacheStats, new_counters
+from .stats import CacheStats, new_counters, tier_counters
+from .tiered_storage import build_host_storage
 
 UserIds = Sequence[int] | Tensor
 _NOTHING = HostEntry(0, 0)
@@ -47,13 +49,16 @@ _PREPARE_IDS = itertools.count(1)  # process-wide, so a metadata object from ano
 class _Resident:
     """A user's committed tokens on the device (plus reserved pages while in flight)."""
 
-    __slots__ = ("start_pos", "length", "pages", "tag")
+    __slots__ = ("start_pos", "length", "pages", "tag", "synced")
 
-    def __init__(self, start_pos: int, length: int, pages: array, tag: bytes = b"") -> None:
+    def __init__(self, start_pos: int, length: int, pages: array, tag: bytes = b"", synced: HostEntry | None = None):
         self.start_pos = start_pos
         self.length = length
         self.pages = pages
         self.tag = tag  # the caller's fingerprint of the committed tokens (travels to the host tiers)
+        # The host entry this manager last wrote or onloaded for the user: an offload appends only to
+        # that one, never to an entry another writer (node, process) put there meanwhile.
+        self.synced = synced
 
 
 @dataclass
@@ -84,20 +89,30 @@ class KVCacheManager:
     """User-keyed paged KV cache over a device page pool and a host tier. Thread-safe."""
 
     def __init__(self, config: KVCacheConfig, host_storage: HostKVStorage | None = None) -> None:
+        """`host_storage=None` builds the tiers the config names (and closes them in `close`): an
+        in-memory tier, then a persistent and a Redis tier if configured (see `build_host_storage`)."""
         self.config = config
         self._layout = config.page_layout
         self._pool = DevicePagePool(self._layout, config.num_pages, config.device)
+        self._owns_host = host_storage is None
         if host_storage is None:
-            host_storage = InMemoryHostStorage(config.host_capacity_bytes, pin_memory=config.pin_host_memory)
-        host_storage.bind(self._layout)
+            host_storage = build_host_storage(config)
+        try:
+            host_storage.bind(self._layout)
+        except BaseException:
+            if self._owns_host:
+                host_storage.close()
+            raise
         self._host = host_storage
         self._policy = make_policy(config.eviction_policy)
         self._lock = threading.RLock()
         self._users: dict[int, _Resident] = {}
         self._pending: dict[int, _Pending] = {}  # prepare id -> what it changed
         self._in_flight: set[int] = set()
-        # Users whose data was dropped (not invalidated) since they were last reported, with the
-        # position their data ended at: a prepare continuing from there planned with a stale answer.
+        # Where a caller may believe a non-resident user's data ends: set when its data leaves the
+        # device (kept by the host or lost) or is reported from the host tier (which may lose it
+        # without telling), cleared when it is reported otherwise, prepared or invalidated. A prepare
+        # that finds nothing cached and continues exactly there planned with a stale answer.
         self._lost: dict[int, int] = {}
         self._offload_requested: set[int] = set()  # async offloads not yet run
         self._counters = new_counters()
@@ -105,6 +120,11 @@ class KVCacheManager:
         if config.async_offload:
             self._worker = OffloadWorker(weakref.WeakMethod(self._run_offload_job))
             weakref.finalize(self, self._worker.close)
+
+    @property
+    def host_storage(self) -> HostKVStorage:
+        """The host tier (a `TieredHostStorage` when several are configured: per-tier state in `.tiers`)."""
+        return self._host
 
     # ------------------------------------------------------------------ device views
     def k_cache(self, layer: int) -> Tensor:
@@ -123,10 +143,13 @@ class KVCacheManager:
         starts, lengths = [], []
         with self._lock:
             for u in self._refusing(_int_list, user_ids, "user_ids"):
-                start, length = self._cached(u)
+                start, length, _ = self._cached_entry(u)
                 starts.append(start)
                 lengths.append(length)
-                self._lost.pop(u, None)
+                if length and u not in self._users:  # from the host tier, which may lose it before the prepare
+                    self._lost[u] = start + length
+                else:
+                    self._lost.pop(u, None)
         return torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
 
     def get_user_tags(self, user_ids: UserIds) -> list[bytes]:
@@ -263,6 +286,7 @@ class KVCacheManager:
         with self._lock:
             return CacheStats(
                 **self._counters,
+                **tier_counters(self._host.counters()),
                 pages_in_use=self._pool.num_used,
                 pages_total=self._pool.num_pages,
                 users_on_device=len(self._users),
@@ -272,12 +296,17 @@ class KVCacheManager:
             )
 
     def close(self) -> None:
-        """Finish pending offloads and stop the offload worker (async mode)."""
-        if self._worker is not None:
-            try:
-                self._worker.wait()
-            finally:
-                self._worker.close()
+        """Finish pending offloads, stop the offload worker (async mode) and close the tiers the manager built."""
+        try:
+            if self._worker is not None:
+                try:
+                    self._worker.wait()
+                finally:
+                    self._worker.close()
+        finally:
+            if self._owns_host:
+                with self._lock:
+                    self._host.close()
 
     def __enter__(self) -> "KVCacheManager":
         return self
@@ -313,10 +342,6 @@ class KVCacheManager:
         except KVCacheRequestError:
             self._counters["refusals"] += 1
             raise
-
-    def _cached(self, u: int) -> tuple[int, int]:
-        entry = self._cached_entry(u)
-        return entry.start_pos, entry.length
 
     def _cached_entry(self, u: int) -> HostEntry:
         """What is reusable for the user: the device's committed tokens, else the host's entry, else (0, 0)."""
@@ -383,14 +408,28 @@ class KVCacheManager:
         return _Plan(users, starts, news, on_host, need, tag_list)
 
     def _read_host(self, plan: _Plan) -> dict[int, HostPages]:
-        """Read what to onload. The in-memory tier keeps it (victims' offloads protected it); a tier
-        that loses data on its own may not, and then the batch is refused (after the evictions)."""
-        out = {}
+        """Read what to onload.
+
+        The in-memory tier keeps it (victims' offloads protected it). A persistent or shared tier
+        may fail to return what `info` reported (a failure, a checksum, another node, a TTL): the
+        batch continued data that is not there, so it is refused as stale (after the evictions),
+        and an unreadable entry is dropped so that the next `get_user_kvdata_info` reports a miss.
+        """
+        out, failed = {}, []
         for u, entry in plan.on_host.items():
             hp = self._host.read(u)
             if hp is None or hp.entry != entry:
-                raise KVCacheRequestError(f"User {u}: the host tier lost its data while it was being read; retry.")
-            out[u] = hp
+                if hp is None:
+                    self._host.drop(u)
+                self._lost[u] = entry.start_pos + entry.length
+                failed.append(f"user {u} up to position {entry.start_pos + entry.length - 1}")
+            else:
+                out[u] = hp
+        if failed:  # all of them at once: one re-plan of the batch is enough
+            raise KVCacheStaleError(
+                f"The host tier could not return the cached tokens of {', '.join(failed)} (lost, unreadable or "
+                "changed); call get_user_kvdata_info again and recompute from what is cached."
+            )
         return out
 
     def _execute(self, plan: _Plan, host_pages: dict[int, HostPages]) -> KVCacheMetadata:
@@ -470,8 +509,7 @@ class KVCacheManager:
         res = self._users[u]
         self._drop_resident(u)
         self._counters["device_evictions"] += 1
-        if self._host.info(u) is None:
-            self._lost[u] = res.start_pos + res.length
+        self._lost[u] = res.start_pos + res.length  # lost, or kept by a host tier that may lose it later
 
     def _drop_resident(self, u: int) -> None:
         res = self._users.pop(u)
@@ -481,22 +519,28 @@ class KVCacheManager:
 
     def _onload(self, u: int, hp: HostPages, pages: array) -> _Resident:
         self._pool.copy_in(pages, hp.pages)
-        res = self._users[u] = _Resident(hp.start_pos, hp.length, pages, hp.tag)
+        res = self._users[u] = _Resident(hp.start_pos, hp.length, pages, hp.tag, synced=hp.entry)
         self._policy.add(u)
         self._counters["onloaded_bytes"] += len(pages) * self._layout.page_nbytes
         return res
 
     def _offload(self, u: int, protect: Collection[int] = ()) -> None:
-        """Make the host hold exactly the user's committed device data, writing only what it lacks."""
+        """Make the host hold exactly the user's committed device data, writing only what it lacks.
+
+        Incremental only on top of the entry this manager wrote or onloaded (`synced`): a shared tier
+        may hold a same-start entry of another history (another node), whose pages must not be kept.
+        """
         self._offload_requested.discard(u)
         res = self._users.get(u)
         if res is None or res.length == 0:
             return
         h = self._host.info(u)
-        if h == (res.start_pos, res.length, res.tag):
+        ours = HostEntry(res.start_pos, res.length, res.tag)
+        if h == ours:
+            res.synced = ours
             return
         num_pages = self._layout.num_pages(res.length)
-        if h is not None and h.start_pos == res.start_pos and h.length <= res.length:
+        if h is not None and h == res.synced:
             # Rewrite the partial last page, then the new ones (the last page alone for a new tag).
             first = min(h.length // self._layout.page_size, num_pages - 1)
         else:
@@ -507,13 +551,14 @@ class KVCacheManager:
             protect=protect, tag=res.tag,
         )
         if result.stored:
+            res.synced = ours
             self._counters["offloaded_bytes"] += len(pages) * self._layout.page_nbytes
         else:
             self._counters["host_rejected_writes"] += 1
         self._counters["host_evictions"] += len(result.evicted)
         for v, entry in result.evicted:
-            if v not in self._users:
-                self._lost[v] = entry.start_pos + entry.length
+            if v not in self._users:  # a mark set since is the caller's latest view
+                self._lost.setdefault(v, entry.start_pos + entry.length)
 
     def _run_offload_job(self, user_ids: tuple[int, ...]) -> None:
         """Worker side of an async offload: one user per lock hold, skipping users already handled."""

@@ -20,6 +20,10 @@ class CacheStats:
     host_rejected_writes: int = 0  # offloads the host tier could not store (user larger than the tier)
     refusals: int = 0  # requests refused with a KVCacheRequestError
     rollbacks: int = 0  # prepares rolled back
+    # --- counters of the host tiers (HostKVStorage.counters(), summed over the chain) ---
+    tier_failures: int = 0  # calls to a tier that raised: served as a miss / not stored
+    tier_timeouts: int = 0  # calls abandoned after the tier's timeout
+    tier_corrupt_reads: int = 0  # entries a tier returned or held with bad data (checksum, shape): dropped
     # --- gauges ---
     pages_in_use: int = 0
     pages_total: int = 0
@@ -38,7 +42,13 @@ class CacheStats:
 
 
 GAUGES = ("pages_in_use", "pages_total", "users_on_device", "users_on_host", "host_bytes_used", "host_capacity_bytes")
-COUNTERS = tuple(f.name for f in fields(CacheStats) if f.name not in GAUGES)
+TIER_COUNTERS = {"tier_failures": "failures", "tier_timeouts": "timeouts", "tier_corrupt_reads": "corrupt_reads"}
+COUNTERS = tuple(f.name for f in fields(CacheStats) if f.name not in GAUGES and f.name not in TIER_COUNTERS)
+
+
+def tier_counters(counters: dict[str, int]) -> dict[str, int]:
+    """`CacheStats` fields from a storage's `counters()`."""
+    return {field: counters.get(name, 0) for field, name in TIER_COUNTERS.items()}
 
 
 def new_counters() -> dict[str, int]:

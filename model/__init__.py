@@ -1,10 +1,11 @@
 """HSTU ranking model with incremental (paged KV cache) inference."""
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint, save_checkpoint
 from model.config import PRESET_NAMES, HSTUConfig, preset
+from model.inference import InferenceSession, VisitResult
 from model.recommender import HSTURecommender, StaleKVCacheError
 from model.token_layout import TokenLayout, VisitPlan
 
 __all__ = [
     "HSTUConfig", "preset", "PRESET_NAMES", "HSTURecommender", "StaleKVCacheError", "TokenLayout", "VisitPlan",
-    "save_checkpoint", "load_checkpoint", "CheckpointError", "model_fingerprint",
+    "save_checkpoint", "load_checkpoint", "CheckpointError", "model_fingerprint", "InferenceSession", "VisitResult",
 ]

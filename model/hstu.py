@@ -109,7 +109,8 @@ _MASKS: dict[tuple[int, torch.device], torch.Tensor] = {}
 def _strictly_upper(size: int, device: torch.device) -> torch.Tensor:
     key = (size, device)
     if key not in _MASKS:
-        _MASKS[key] = torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
+        with torch.inference_mode(False):  # cached across calls: must stay usable by autograd
+            _MASKS[key] = torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
     return _MASKS[key]
 
 

@@ -371,9 +371,9 @@ def test_custom_host_storage_plugs_in():
     calls = []
 
     class Recording(InMemoryHostStorage):
-        def write(self, user_id, start_pos, length, first_page, fill, protect=()):
+        def write(self, user_id, start_pos, length, first_page, fill, protect=(), tag=b""):
             calls.append((user_id, start_pos, length, first_page))
-            return super().write(user_id, start_pos, length, first_page, fill, protect)
+            return super().write(user_id, start_pos, length, first_page, fill, protect, tag)
 
     assert issubclass(Recording, HostKVStorage)
     mgr = KVCacheManager(_config(), host_storage=Recording(1 << 20))

@@ -1,16 +1,24 @@
 """RedisHostStorage against a real redis-server: the HostKVStorage contract, integrity, sharing, capacity."""
+import importlib.util
+import json
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
 import torch
 
-from kvcache import HostEntry, KVCacheConfig, KVCacheManager, PageLayout
-from kvcache.redis_storage import RedisHostStorage, TierDataError
+from kvcache import (
+    FailOpenStorage, HostEntry, InMemoryHostStorage, KVCacheConfig, KVCacheManager, KVCacheStaleError, PageLayout,
+    TierDataError, TieredHostStorage,
+)
+from kvcache.redis_storage import RedisHostStorage
 from kvcache.testing import expected_kv, serve
 from redis_server import private_redis_server, redis_server, unique_namespace  # noqa: F401 (fixtures)
 
+ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = PageLayout(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
 PAGE = LAYOUT.page_nbytes  # 128 bytes
 
@@ -222,7 +230,7 @@ def test_tampered_data_is_a_miss_never_wrong_data(redis_server, tamper):
     with pytest.raises(TierDataError):
         s.read(3)
     assert s.info(3) is None and s.read(3) is None and s.bytes_used == 0  # dropped: the next visit recomputes
-    assert s.stats.bad_reads == 1
+    assert s.corrupt_reads == 1
 
 
 def test_a_page_lost_under_the_reader_is_a_miss(redis_server):
@@ -230,7 +238,7 @@ def test_a_page_lost_under_the_reader_is_a_miss(redis_server):
     client = redis.Redis.from_url(redis_server)
     s.write(3, 0, 12, 0, _fill(_random_pages(3)))
     client.delete(_keys(client, s, "u:3:p:*")[0])  # e.g. evicted by a Redis maxmemory policy
-    assert s.read(3) is None and s.info(3) is None and s.stats.lost_reads == 1
+    assert s.read(3) is None and s.info(3) is None and s.lost_reads == 1
 
 
 def test_unreachable_server_raises_quickly(private_redis_server):
@@ -269,7 +277,7 @@ def test_incremental_write_on_a_replaced_base_is_refused(redis_server):
         dst.copy_(_random_pages(1, seed=3))
 
     assert a.write(1, 0, 12, 2, fill_while_b_writes, tag=b"a") == (False, ())
-    assert a.stats.conflicts == 1
+    assert a.write_conflicts == 1 and a.counters()["write_conflicts"] == 1
     hp = a.read(1)
     assert hp.entry == HostEntry(0, 12, b"b") and torch.equal(_bits(hp.pages), _bits(_random_pages(3, seed=2)))
     assert len(_keys(client, a, "u:1:p:*")) == 3  # A's uploaded page was deleted
@@ -358,3 +366,135 @@ def test_a_user_served_by_one_node_is_reused_by_another(redis_server):
     _assert_cached(node_a, 1, 0, 18)
     node_a.check_invariants()
     node_b.check_invariants()
+
+
+def _nodes(url, count=2, **config):
+    """Managers configured like inference nodes: an in-memory tier, then the shared Redis tier."""
+    cfg = KVCacheConfig(**{**CFG.__dict__, "redis_url": url, "redis_namespace": unique_namespace(),
+                           "redis_capacity_bytes": 1 << 20, **config})
+    return [KVCacheManager(cfg) for _ in range(count)]
+
+
+def test_nodes_configured_with_a_redis_url_share_users(redis_server):
+    node_a, node_b = _nodes(redis_server)
+    assert isinstance(node_a.host_storage, TieredHostStorage)
+    serve(node_a, [1], [0], [9])
+    node_a.offload_kv_cache()
+    _assert_cached(node_b, 1, 0, 9)  # node B's memory tier is empty: from Redis
+    serve(node_b, [1], [9], [4])
+    node_b.offload_kv_cache()  # write-through: memory and Redis
+    node_a.evict_kv_cache([1])
+    # Node A's memory tier holds 9 tokens, Redis 13 with the same start: the longest wins.
+    _assert_cached(node_a, 1, 0, 13)
+    assert serve(node_a, [1], [13], [2]).cached_lengths.tolist() == [13]
+    for node in (node_a, node_b):
+        node.check_invariants()
+        node.close()
+
+
+def test_a_tampered_page_is_recomputed_never_served(redis_server):
+    """Through FailOpenStorage (what the config builds) a corrupt entry is a miss, counted once."""
+    ns = unique_namespace()
+    node_a = KVCacheManager(CFG, host_storage=RedisHostStorage(redis_server, ns, 1 << 20))
+    node_b = KVCacheManager(CFG, host_storage=FailOpenStorage(RedisHostStorage(redis_server, ns, 1 << 20), "redis"))
+    serve(node_a, [4], [0], [11])
+    node_a.offload_kv_cache()
+    client = redis.Redis.from_url(redis_server)
+    page = sorted(client.scan_iter(f"{node_a.host_storage.prefix}:u:4:p:*"))[-1]
+    client.setrange(page, 5, b"\x7f")
+    start, length = node_b.get_user_kvdata_info([4])
+    assert (int(start), int(length)) == (0, 11)  # the meta is intact: reported...
+    with pytest.raises(KVCacheStaleError):  # ...but its pages fail their checksum: refused, never onloaded
+        node_b.prepare_kv_cache([4], [11], [1])
+    assert node_b.stats().tier_corrupt_reads == 1
+    _assert_cached(node_b, 4, 0, 0)  # dropped: the next plan recomputes the history
+    serve(node_b, [4], [0], [12])
+    _assert_cached(node_b, 4, 0, 12)
+
+
+def _replay(mgr, visits, on_visit=None):
+    """Serve (user, history end) visits as a session does: continue what is cached, else recompute from 0."""
+    layout = mgr.config.page_layout
+    for step, (u, end) in enumerate(visits):
+        if on_visit:
+            on_visit(step)
+        start, length = (int(x) for x in mgr.get_user_kvdata_info([u]))
+        cached_end = start + length if length else 0
+        serve(mgr, [u], [cached_end], [end - cached_end])
+        mgr.offload_kv_cache([u])
+        for layer in range(layout.num_layers):
+            k, v = mgr.read_kv(u, layer)
+            ek, ev = expected_kv(layout, u, 0, end, layer)
+            assert torch.equal(k, ek) and torch.equal(v, ev), (step, u, end)
+
+
+def _visits(num_users=6, rounds=5):
+    ends = [0] * num_users
+    out = []
+    for r in range(rounds):
+        for u in range(num_users):
+            ends[u] += 3 + (u * 7 + r * 5) % 9
+            out.append((u, ends[u]))
+    return out
+
+
+def test_stopping_the_server_mid_replay_costs_recomputation_not_errors(private_redis_server, caplog):
+    """The device holds two users: the others come back from Redis until it stops, then are recomputed."""
+    visits = _visits()
+    small = KVCacheConfig(**{**CFG.__dict__, "num_pages": 2 * 16})
+    reference = KVCacheManager(small, host_storage=InMemoryHostStorage(1 << 20))
+    _replay(reference, visits)
+
+    tier = FailOpenStorage(RedisHostStorage(private_redis_server.url, unique_namespace(), 1 << 20, timeout_s=0.2),
+                           "redis")
+    mgr = KVCacheManager(small, host_storage=tier)
+    stop_at = len(visits) // 2
+    reused_before_stop = []
+
+    def maybe_stop(step):
+        if step == stop_at:
+            reused_before_stop.append(mgr.stats().tokens_reused)
+            private_redis_server.stop()
+
+    _replay(mgr, visits, on_visit=maybe_stop)  # no exception, every visit's K/V exact
+    stats = mgr.stats()
+    assert reused_before_stop[0] > 0  # Redis served returning users before it stopped
+    assert stats.tier_failures > 0  # counted, and said once (the replay is shorter than the retry period)
+    assert any("'redis' failed" in r.getMessage() for r in caplog.records if r.name == "kvcache")
+    assert stats.tokens_appended > reference.stats().tokens_appended  # recomputed what Redis no longer serves
+    for u in range(6):  # what is still cached (on the device) is the reference's; the rest is gone, not wrong
+        for layer in range(CFG.num_layers):
+            k, v = mgr.read_kv(u, layer)
+            ref_k, ref_v = reference.read_kv(u, layer)
+            assert len(k) == 0 or (torch.equal(k, ref_k) and torch.equal(v, ref_v))
+
+
+def test_reads_recover_after_the_server_drops_the_connections(redis_server):
+    s = _store(redis_server)
+    s.write(2, 0, 9, 0, _fill(_random_pages(3, seed=4)))
+    assert s.read(2) is not None
+    redis.Redis.from_url(redis_server).client_kill_filter(_type="normal", skipme=True)
+    for _ in range(2):  # the first call may notice the dead connection; the next one reconnects
+        try:
+            hp = s.read(2)
+            break
+        except redis.ConnectionError:
+            continue
+    assert torch.equal(_bits(hp.pages), _bits(_random_pages(3, seed=4)))
+
+
+def test_tier_benchmark_runs_at_tiny_sizes(redis_server, tmp_path, capsys, monkeypatch):
+    """Keeps benchmark/tier_benchmark.py from rotting (the real run is in docs/kvcache.md)."""
+    spec = importlib.util.spec_from_file_location("tier_benchmark", ROOT / "benchmark" / "tier_benchmark.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "tier_benchmark", bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    out = tmp_path / "tiers.json"
+    assert bench.main(["--histories", "32", "64", "--repeats", "1", "--redis_url", redis_server,
+                       "--workdir", str(tmp_path), "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {(r["tier"], r["history"]) for r in result["rows"]} == {(t, h) for t in bench.TIERS for h in (32, 64)}
+    assert all(r["reload_ms"] > 0 and r["recompute_ms"] > 0 for r in result["rows"])
+    assert set(result["crossover"]) == set(bench.TIERS)
+    assert "recompute/reload" in capsys.readouterr().out
+    assert not list(redis.Redis.from_url(redis_server).scan_iter("hstu:tier-benchmark-*:u:*"))  # cleaned up

@@ -1,0 +1,213 @@
+"""Tier benchmark: reloading a returning user's KV from each tier vs recomputing its history.
+
+    python benchmark/tier_benchmark.py [--tiers memory disk redis] [--histories 256 ... 8192]
+                                       [--threads N] [--redis_url URL] [--output artifacts/tier_benchmark.json]
+
+For each history length L (kuairand-1k geometry: 3 layers, 4 heads x 128, page 32):
+  * reload (per tier): the user's L tokens are in the tier, not on the device. Timed through
+    the KVCacheManager, as a returning user costs: `prepare_kv_cache` of 1 new token (tier
+    `info` + `read` + onload into fresh device pages + metadata), then `rollback`; the user is
+    evicted from the device again, untimed, before each round.
+  * recompute: the model's layers over the L history tokens with nothing cached
+    (`_run_layers`, `WindowKV`, no candidates): what a miss costs on top of scoring the
+    candidates, which both paths pay. Embedding lookups are not timed (that favours recompute).
+Tiers: `memory` (InMemoryHostStorage), `disk` (DiskHostStorage in a temp dir, page cache warm:
+the node wrote it), `redis` (RedisHostStorage on a redis-server started on loopback, or
+--redis_url). Each round times the recompute and every tier's reload in alternation (the
+machine is shared; drift hits both); medians over --repeats rounds after one warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from kvcache import HostKVStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, paged_kvcache_ops
+from kvcache.disk_storage import DiskHostStorage
+from kvcache.local_redis import LocalRedisServer, redis_server_binary
+from kvcache.redis_storage import RedisHostStorage
+from model.config import HSTUConfig, preset
+from model.hstu import AttentionPlan
+from model.kv_store import WindowKV
+from model.recommender import HSTURecommender
+
+TIERS = ("memory", "disk", "redis")
+USER = 0
+
+
+@dataclass(frozen=True)
+class Row:
+    tier: str
+    history: int
+    reload_ms: float
+    recompute_ms: float
+    speedup: float  # median over rounds of recompute / reload (> 1: reloading wins)
+
+
+TierFactory = Callable[[int], HostKVStorage]  # history length -> an empty tier
+
+
+def tier_factories(names: list[str], workdir: Path, redis_url: str, capacity: int) -> dict[str, TierFactory]:
+    factories: dict[str, TierFactory] = {
+        "memory": lambda history: InMemoryHostStorage(capacity),
+        "disk": lambda history: DiskHostStorage(workdir / f"disk-{history}", capacity),
+        "redis": lambda history: RedisHostStorage(redis_url, f"tier-benchmark-{os.getpid()}-{history}", capacity),
+    }
+    return {name: factories[name] for name in names}
+
+
+def cache_config(model_cfg: HSTUConfig, dtype: torch.dtype, history: int) -> KVCacheConfig:
+    """A device pool just large enough for one user of `history` + 1 tokens."""
+    return KVCacheConfig(
+        num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
+        page_size=model_cfg.page_size, num_pages=-(-(history + 1) // model_cfg.page_size), dtype=dtype,
+    )
+
+
+def loaded_cache(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, storage: HostKVStorage) -> KVCacheManager:
+    """A manager whose host tier holds `history` tokens of USER (random K/V) and whose device does not."""
+    cache = KVCacheManager(cache_config(model_cfg, dtype, history), host_storage=storage)
+    meta = cache.prepare_kv_cache([USER], [0], [history])
+    for layer in range(model_cfg.num_layers):
+        k, v = torch.randn(2, history, model_cfg.num_heads, model_cfg.head_dim, dtype=dtype)
+        paged_kvcache_ops.append_kvcache(cache.k_cache(layer), cache.v_cache(layer), k, v, meta.new_token_slots)
+    cache.commit(meta)
+    cache.offload_kv_cache([USER])
+    cache.evict_kv_cache([USER])
+    return cache
+
+
+def time_reload(cache: KVCacheManager, history: int) -> float:
+    """Seconds of the prepare (onload of `history` tokens + 1 new) and rollback of a returning user."""
+    cache.evict_kv_cache([USER])
+    start = time.perf_counter()
+    meta = cache.prepare_kv_cache([USER], [history], [1])
+    cache.rollback(meta)
+    elapsed = time.perf_counter() - start
+    if meta.cached_lengths.tolist() != [history]:
+        raise RuntimeError(f"the tier did not return the user's {history} tokens: {meta.cached_lengths.tolist()}")
+    return elapsed
+
+
+def recompute_fn(model: HSTURecommender, history: int) -> Callable[[], None]:
+    """The model's layers over `history` tokens with nothing cached (no candidates)."""
+    cfg = model.config
+    x_hist = torch.randn(history, cfg.hidden_dim, dtype=model.dtype)
+    x_cand = torch.randn(0, cfg.hidden_dim, dtype=model.dtype)
+    lengths = torch.tensor([history])
+    plan = AttentionPlan.from_lengths(lengths, torch.tensor([0]), lengths, None)
+    return lambda: model._run_layers(x_hist, x_cand, plan, WindowKV())
+
+
+def bench_history(model: HSTURecommender, factories: dict[str, TierFactory], history: int, repeats: int,
+                  progress: tqdm) -> list[Row]:
+    caches = {name: loaded_cache(model.config, model.dtype, history, make(history)) for name, make in factories.items()}
+    recompute = recompute_fn(model, history)
+    reload_s: dict[str, list[float]] = {name: [] for name in caches}
+    recompute_s: list[float] = []
+    try:
+        with torch.inference_mode():
+            for round_ in range(repeats + 1):  # round 0 warms up
+                start = time.perf_counter()
+                recompute()
+                elapsed = time.perf_counter() - start
+                times = {name: time_reload(cache, history) for name, cache in caches.items()}
+                if round_:
+                    recompute_s.append(elapsed)
+                    for name, t in times.items():
+                        reload_s[name].append(t)
+                progress.update()
+    finally:
+        for cache in caches.values():
+            cache.invalidate_kv_cache([USER])  # frees the tier's space (Redis keys, files)
+            cache.close()
+            cache.host_storage.close()  # the benchmark built it: the manager does not own it
+    return [
+        Row(name, history, statistics.median(ts) * 1e3, statistics.median(recompute_s) * 1e3,
+            statistics.median(r / t for r, t in zip(recompute_s, ts)))
+        for name, ts in reload_s.items()
+    ]
+
+
+def crossover(rows: list[Row], tier: str) -> int | None:
+    """The shortest tested history from which reloading beats recomputing at every longer one (None: never)."""
+    best = None
+    for row in sorted((r for r in rows if r.tier == tier), key=lambda r: -r.history):
+        if row.speedup <= 1.0:
+            break
+        best = row.history
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
+    p.add_argument("--histories", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--redis_url", default=None, help="an existing Redis (default: start redis-server on loopback)")
+    p.add_argument("--workdir", default=None, help="where the disk tier writes (default: a temp dir)")
+    p.add_argument("--output", default="artifacts/tier_benchmark.json")
+    args = p.parse_args(argv)
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = preset("kuairand-1k", video_hash_size=1024)  # embeddings are not timed
+    longest = max(args.histories)
+    if longest > cfg.max_seq_len:  # N only scales attention: the timing does not depend on it
+        cfg = cfg.replace(max_seq_len=longest, position_table_size=max(longest, cfg.position_table_size))
+    torch.manual_seed(0)
+    model = HSTURecommender(cfg).to(dtype).eval()
+    layout = cache_config(cfg, dtype, longest).page_layout
+    capacity = 2 * layout.num_pages(longest) * layout.page_nbytes  # every tier holds the user whole
+
+    with ExitStack() as stack:
+        workdir = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        redis_url = args.redis_url
+        if "redis" in args.tiers and redis_url is None:
+            if redis_server_binary() is None:
+                p.error("redis-server is not installed: pass --redis_url or leave out the redis tier")
+            redis_url = stack.enter_context(LocalRedisServer(workdir / "redis")).url
+        factories = tier_factories(args.tiers, workdir, redis_url, capacity)
+        rows: list[Row] = []
+        with tqdm(total=len(args.histories) * (args.repeats + 1), desc="rounds", file=sys.stderr) as progress:
+            for history in args.histories:
+                rows += bench_history(model, factories, history, args.repeats, progress)
+
+    print(f"kuairand-1k geometry ({cfg.num_layers} layers, {cfg.num_heads} heads x {cfg.head_dim}, page "
+          f"{cfg.page_size}), {args.dtype}, {torch.get_num_threads()} threads; medians of {args.repeats} rounds")
+    print(f"{'tier':<7} {'history':>7} {'MB':>7} {'reload ms':>10} {'recompute ms':>13} {'recompute/reload':>17}")
+    for r in rows:
+        print(f"{r.tier:<7} {r.history:>7} {r.history * layout.token_nbytes / 2**20:>7.1f} {r.reload_ms:>10.2f} "
+              f"{r.recompute_ms:>13.1f} {r.speedup:>16.1f}x")
+    crossovers = {tier: crossover(rows, tier) for tier in args.tiers}
+    for tier, length in crossovers.items():
+        if length is None:
+            print(f"{tier}: recompute is faster at the longest history tested")
+        else:
+            shortest = " (the shortest tested)" if length == min(args.histories) else ""
+            print(f"{tier}: reload beats recompute from {length} tokens on{shortest}")
+    result = {"preset": "kuairand-1k", "dtype": args.dtype, "threads": torch.get_num_threads(),
+              "repeats": args.repeats, "tiers": args.tiers, "histories": args.histories,
+              "rows": [asdict(r) for r in rows], "crossover": crossovers}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(result, indent=2))
+    print(f"results: {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

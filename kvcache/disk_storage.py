@@ -1,0 +1,417 @@
+"""DiskHostStorage: a persistent local tier that survives a restart and a crash (kill -9) mid-write.
+
+Directory (one `DiskHostStorage` per directory at a time, held by an `flock` on `lock`):
+
+    layout.json                       the PageLayout of the pages; `bind` refuses another one
+    users/{uid % 256:02x}/{uid}.idx   the user's entry: its commit point
+    users/{..}/{uid}_{page}_{seq}.kv  one page as written by write number `seq`: page_nbytes raw
+                                      bytes, page-major [num_layers, 2, page_size, heads, head_dim]
+
+An index file (little-endian) is `HSTUKVI1`, start_pos i64, length i64, pages u32, tag bytes u32,
+the tag, per page the write number naming its file (u64) and the page's crc32 (u32), and last the
+crc32 of everything before.
+
+A write puts its pages under fresh names (write numbers only grow, so a committed index never
+refers to a file being written), then the index to a temporary file that replaces the old one
+(`os.replace`, the commit), then unlinks the pages the new index no longer refers to; with
+`fsync` each file and the directory are synced before the next step. A crash at any point leaves
+the old entry or the new one, plus garbage that `bind` removes: temporary files, indexes that fail
+their checksum or refer to a missing or short page file, page files no index refers to. A page
+whose bytes fail their checksum at `read` drops the entry (`corrupt_reads`); nothing partial or
+corrupted is returned.
+
+Incremental writes cost O(new pages): pages before `first_page` keep their files. Recency is
+the index file's mtime (written at each write, touched at each read), so the LRU order survives a
+restart approximately; the byte bound survives it exactly (`bind` evicts down to the capacity).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import struct
+import weakref
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+from typing import Collection, NamedTuple
+
+import numpy as np
+
+from .config import PageLayout
+from .host_storage import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill
+from .page_io import StagingPages, byte_rows, check_write, new_pages, page_crcs
+
+FORMAT = "hstu-kvcache-disk"
+FORMAT_VERSION = 1
+_MAGIC = b"HSTUKVI1"
+_HEADER = struct.Struct("<8sqqII")  # magic, start_pos, length, pages, tag bytes
+_PAGE_RECORD = 12  # u64 write number + u32 crc32
+_SHARDS = 256
+
+
+class RecoveryReport(NamedTuple):
+    """What `bind` found in the directory."""
+
+    users: int  # entries recovered
+    dropped: int  # entries dropped: unreadable index, or a page file missing or short
+    removed_files: int  # temporary files and page files no index referred to
+    evicted: int  # users evicted to fit the capacity (it may have shrunk since the last run)
+
+
+class _Entry:
+    __slots__ = ("start_pos", "length", "tag", "seqs", "crcs", "nbytes")
+
+    def __init__(self, start_pos: int, length: int, tag: bytes, seqs: np.ndarray, crcs: np.ndarray, nbytes: int):
+        self.start_pos = start_pos
+        self.length = length
+        self.tag = tag
+        self.seqs = seqs  # [pages] uint64: the write that wrote each page (names its file)
+        self.crcs = crcs  # [pages] uint32
+        self.nbytes = nbytes  # page files + index file
+
+    @property
+    def info(self) -> HostEntry:
+        return HostEntry(self.start_pos, self.length, self.tag)
+
+
+class DiskHostStorage(HostKVStorage):
+    """Per-user KV pages in files under `directory`, bounded by `capacity_bytes` (page and index
+    files), with its own LRU over users. See the module docstring for the format and recovery.
+
+    `fsync=False` keeps the crash guarantees for a killed process (the page cache survives it)
+    but not for a machine that loses power.
+    """
+
+    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = True) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}.")
+        self.directory = Path(directory)
+        self._capacity = int(capacity_bytes)
+        self._fsync = bool(fsync)
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._used = 0
+        self._next_seq = 1
+        self._staging = StagingPages()
+        self._lock_fd: int | None = None
+        self._closer: weakref.finalize | None = None
+        self.corrupt_reads = 0
+        self.recovery: RecoveryReport | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def bind(self, layout: PageLayout) -> None:
+        """Lock the directory, check (or record) its layout, and recover a consistent state."""
+        if self._layout is not None:
+            super().bind(layout)  # the same layout again is a no-op; another one raises
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        try:
+            _check_layout(self.directory, layout)
+            super().bind(layout)
+            self.recovery = self._recover()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the directory lock (the data stays)."""
+        if self._closer is not None:
+            self._closer()
+
+    def counters(self) -> dict[str, int]:
+        return {"corrupt_reads": self.corrupt_reads}
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def bytes_used(self) -> int:
+        return self._used
+
+    @property
+    def num_users(self) -> int:
+        return len(self._entries)
+
+    # ------------------------------------------------------------------ the contract
+    def info(self, user_id: int) -> HostEntry | None:
+        e = self._entries.get(user_id)
+        return None if e is None else e.info
+
+    def read(self, user_id: int) -> HostPages | None:
+        """The user's pages in a fresh tensor, one read per page file, each checked against its crc32."""
+        e = self._entries.get(user_id)
+        if e is None:
+            return None
+        layout = self.layout
+        out = new_pages(layout, len(e.seqs))
+        rows = byte_rows(out)
+        shard = self._shard(user_id)
+        for i, seq in enumerate(e.seqs.tolist()):
+            try:
+                with open(shard / _page_name(user_id, i, seq), "rb", buffering=0) as f:
+                    ok = _read_exact(f, rows[i])
+            except FileNotFoundError:
+                ok = False
+            if not ok or zlib.crc32(rows[i]) != e.crcs[i]:
+                self.corrupt_reads += 1
+                self.drop(user_id)
+                return None
+        self._entries.move_to_end(user_id)
+        try:
+            os.utime(shard / f"{user_id}.idx")  # recency that survives a restart
+        except FileNotFoundError:
+            self.corrupt_reads += 1
+            self.drop(user_id)
+            return None
+        return HostPages(e.start_pos, e.length, out, e.tag)
+
+    def write(
+        self, user_id: int, start_pos: int, length: int, first_page: int, fill: PageFill,
+        protect: Collection[int] = (), tag: bytes = b"",
+    ) -> HostWriteResult:
+        layout = self.layout
+        old = self._entries.get(user_id)
+        num_pages = check_write(layout, user_id, start_pos, length, first_page, None if old is None else old.info)
+        tag = bytes(tag)
+        index_nbytes = _HEADER.size + len(tag) + _PAGE_RECORD * num_pages + 4
+        new_bytes = num_pages * layout.page_nbytes + index_nbytes
+        pinned = sum(self._entries[u].nbytes for u in set(protect) if u != user_id and u in self._entries)
+        if new_bytes > self._capacity - pinned:
+            return HostWriteResult(False, ())
+        old_bytes = 0 if old is None else old.nbytes
+        evicted = self._evict_to(self._capacity - new_bytes + old_bytes, keep={user_id, *protect})
+
+        dst = self._staging.take(layout, num_pages - first_page)
+        try:
+            fill(dst)
+        except BaseException:
+            self.drop(user_id)
+            raise
+        seq = self._next_seq
+        self._next_seq += 1
+        rows = byte_rows(dst)
+        crcs = page_crcs(rows)
+        shard = self._shard(user_id)
+        written = []
+        try:
+            for i, row in enumerate(rows, start=first_page):
+                path = shard / _page_name(user_id, i, seq)
+                written.append(path)
+                _write_file(path, row, self._fsync)
+            if self._fsync:
+                _fsync_dir(shard)  # the page files' names are durable before the index refers to them
+            seqs = np.full(num_pages, seq, dtype=np.uint64)
+            if first_page:
+                seqs[:first_page] = old.seqs[:first_page]
+                crcs = np.concatenate([old.crcs[:first_page], crcs])
+            index = _encode_index(start_pos, length, tag, seqs, crcs)
+            _atomic_write(shard / f"{user_id}.idx", index, self._fsync)  # the commit
+        except BaseException:
+            for path in written:
+                _unlink(path)
+            raise
+        if old is not None:
+            for i in range(first_page, len(old.seqs)):
+                _unlink(shard / _page_name(user_id, i, int(old.seqs[i])))
+        self._entries[user_id] = _Entry(start_pos, length, tag, seqs, crcs, new_bytes)
+        self._entries.move_to_end(user_id)
+        self._used += new_bytes - old_bytes
+        return HostWriteResult(True, evicted)
+
+    def drop(self, user_id: int) -> bool:
+        e = self._entries.pop(user_id, None)
+        if e is None:
+            return False
+        self._used -= e.nbytes
+        shard = self._shard(user_id)
+        _unlink(shard / f"{user_id}.idx")  # first: a crash now leaves only unreferenced pages
+        for i, seq in enumerate(e.seqs.tolist()):
+            _unlink(shard / _page_name(user_id, i, seq))
+        return True
+
+    # ------------------------------------------------------------------ internals
+    def _shard(self, user_id: int) -> Path:
+        return self.directory / "users" / f"{user_id % _SHARDS:02x}"
+
+    def _evict_to(self, target: int, keep: set[int]) -> tuple[tuple[int, HostEntry], ...]:
+        """Drop least recently used users not in `keep` until at most `target` bytes are used."""
+        evicted = []
+        while self._used > target:
+            victim = next(u for u in self._entries if u not in keep)  # exists: the caller checked the room
+            evicted.append((victim, self._entries[victim].info))
+            self.drop(victim)
+        return tuple(evicted)
+
+    def _lock(self) -> None:
+        fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise RuntimeError(
+                    f"{self.directory} is in use by another DiskHostStorage (this or another process); "
+                    "a persistent KV directory has one user at a time."
+                ) from exc
+            raise
+        self._lock_fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)
+
+    def _recover(self) -> RecoveryReport:
+        """Rebuild the index from the files: keep complete, consistent entries; remove the rest."""
+        layout = self.layout
+        found: list[tuple[int, int, _Entry]] = []  # (mtime, user, entry)
+        dropped = removed = 0
+        max_seq = 0
+        for s in range(_SHARDS):
+            shard = self.directory / "users" / f"{s:02x}"
+            shard.mkdir(parents=True, exist_ok=True)
+            indexes, pages = [], {}
+            with os.scandir(shard) as it:
+                for de in it:
+                    if de.name.endswith(".tmp"):
+                        _unlink(Path(de.path))
+                        removed += 1
+                    elif de.name.endswith(".idx"):
+                        indexes.append(de)
+                    elif de.name.endswith(".kv"):
+                        pages[de.name] = de
+            referenced: set[str] = set()
+            for de in indexes:
+                user = _parse_int(de.name[: -len(".idx")])
+                entry = None if user is None or user % _SHARDS != s else _read_index(Path(de.path), layout)
+                names = [] if entry is None else [_page_name(user, i, q) for i, q in enumerate(entry.seqs.tolist())]
+                if entry is None or not all(n in pages and pages[n].stat().st_size == layout.page_nbytes for n in names):
+                    _unlink(Path(de.path))
+                    dropped += 1
+                    continue
+                referenced.update(names)
+                found.append((de.stat().st_mtime_ns, user, entry))
+                max_seq = max(max_seq, int(entry.seqs.max()))
+            for name, de in pages.items():
+                if name not in referenced:
+                    _unlink(Path(de.path))
+                    removed += 1
+        found.sort(key=lambda t: (t[0], int(t[2].seqs.max())))  # mtime, then the last write (coarse clocks)
+        self._entries = OrderedDict((user, entry) for _, user, entry in found)
+        self._used = sum(e.nbytes for e in self._entries.values())
+        self._next_seq = max_seq + 1
+        evicted = self._evict_to(self._capacity, keep=set())
+        return RecoveryReport(len(self._entries), dropped, removed, len(evicted))
+
+
+# ---------------------------------------------------------------------- files
+def _layout_record(layout: PageLayout) -> dict:
+    return {
+        "format": FORMAT, "version": FORMAT_VERSION,
+        "num_layers": layout.num_layers, "num_heads": layout.num_heads, "head_dim": layout.head_dim,
+        "page_size": layout.page_size, "dtype": str(layout.dtype).removeprefix("torch."),
+        "page_nbytes": layout.page_nbytes,
+    }
+
+
+def _check_layout(directory: Path, layout: PageLayout) -> None:
+    """Record the layout in a new directory; refuse a directory written with another one."""
+    path = directory / "layout.json"
+    want = _layout_record(layout)
+    if not path.exists():
+        if (directory / "users").exists():
+            raise ValueError(f"{directory} holds KV pages but no layout.json; refusing to guess their layout.")
+        _atomic_write(path, json.dumps(want, indent=1).encode(), fsync=True)
+        return
+    try:
+        have = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is unreadable ({exc}); is {directory} a KV cache directory?") from exc
+    if have != want:
+        raise ValueError(
+            f"{directory} holds KV pages of another layout (another model geometry, page size or dtype): "
+            f"it has {have}, this cache needs {want}. Use another directory (or delete this one)."
+        )
+
+
+def _page_name(user_id: int, page: int, seq: int) -> str:
+    return f"{user_id}_{page}_{seq}.kv"
+
+
+def _encode_index(start_pos: int, length: int, tag: bytes, seqs: np.ndarray, crcs: np.ndarray) -> bytes:
+    body = b"".join((
+        _HEADER.pack(_MAGIC, start_pos, length, len(seqs), len(tag)), tag,
+        seqs.astype("<u8").tobytes(), crcs.astype("<u4").tobytes(),
+    ))
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def _read_index(path: Path, layout: PageLayout) -> _Entry | None:
+    """The entry an index file describes, or None if it is not a complete, consistent one."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if len(data) < _HEADER.size + 4 or zlib.crc32(data[:-4]) != struct.unpack("<I", data[-4:])[0]:
+        return None
+    magic, start_pos, length, n, tag_len = _HEADER.unpack_from(data)
+    if (magic != _MAGIC or start_pos < 0 or length <= 0 or n != layout.num_pages(length)
+            or len(data) != _HEADER.size + tag_len + _PAGE_RECORD * n + 4):
+        return None
+    off = _HEADER.size + tag_len
+    tag = data[_HEADER.size:off]
+    seqs = np.frombuffer(data, dtype="<u8", count=n, offset=off).astype(np.uint64)
+    crcs = np.frombuffer(data, dtype="<u4", count=n, offset=off + 8 * n).astype(np.uint32)
+    return _Entry(start_pos, length, tag, seqs, crcs, n * layout.page_nbytes + len(data))
+
+
+def _read_exact(f, buf: np.ndarray) -> bool:
+    view, got = memoryview(buf).cast("B"), 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            return False
+        got += n
+    return True
+
+
+def _write_file(path: Path, data, fsync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view, done = memoryview(data).cast("B"), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes, fsync: bool) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    _write_file(tmp, data, fsync)
+    os.replace(tmp, path)
+    if fsync:
+        _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _parse_int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
