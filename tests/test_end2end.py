@@ -120,3 +120,21 @@ def test_cli_runs_as_a_script(pipeline, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "parity pass" in proc.stdout
     assert json.loads(out.read_text())["parity"] == "pass"
+
+
+def test_persistent_tier_selected_by_flag(pipeline, tmp_path):
+    out = tmp_path / "disk.json"
+    args = ["--data_dir", str(pipeline / "processed"), "--checkpoint", str(pipeline / "ckpt"),
+            "--max_requests", "30", "--batch_size", "4", "--kv_tier", "disk", "--kv_dir", str(tmp_path / "kv"),
+            "--output", str(out)]
+    assert run_example(args) == 0
+    result = json.loads(out.read_text())
+    assert result["parity"] == "pass" and result["cache_config"]["tier"] == "disk"
+    assert any((tmp_path / "kv").rglob("*.kv"))  # the tier below memory received the K/V
+
+
+def test_tier_flag_without_its_location_is_refused(pipeline, tmp_path, capsys):
+    code = run_example(["--data_dir", str(pipeline / "processed"), "--checkpoint", str(pipeline / "ckpt"),
+                        "--kv_tier", "redis", "--output", str(tmp_path / "r.json")])
+    assert code == 2
+    assert "--redis_url" in capsys.readouterr().err
