@@ -76,26 +76,34 @@ def hstu_attention(
     alpha: float,
     normalizer: float,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """One user's HSTU attention. -> (history outputs [n, H, D] or None, candidate outputs [m, H, D])."""
+    """One user's HSTU attention. -> (history outputs [n, H, D] or None, candidate outputs [m, H, D]).
+
+    History queries run in tiles of QUERY_TILE rows, each against the keys up to its last
+    query (only its diagonal block needs masking); the candidates ride along with the last
+    tile, which sees every key, so a visit with few new events costs one matmul pair.
+    """
+    n = 0 if q_hist is None else q_hist.shape[0]
+    m = q_cand.shape[0]
+    window = k_window.shape[0]
     k_t = k_window.permute(1, 2, 0)  # [H, D, T]
     v_h = v_window.transpose(0, 1)  # [H, T, D]
-    out_hist = None
-    if q_hist is not None and q_hist.shape[0] > 0:
-        q = q_hist.transpose(0, 1) * alpha  # [H, n, D]
-        tiles = []
-        for r0 in range(0, q.shape[1], QUERY_TILE):
-            r1 = min(q.shape[1], r0 + QUERY_TILE)
-            key_end = num_cached + r1  # keys after the tile's last query are all masked
-            scores = _silu(torch.matmul(q[:, r0:r1], k_t[:, :, :key_end]))  # [H, r, key_end]
-            diagonal = scores[:, :, num_cached + r0 :]  # [H, r, r]: query i sees key j <= i
-            diagonal.masked_fill_(_strictly_upper(r1 - r0, scores.device), 0.0)
-            tiles.append(torch.matmul(scores, v_h[:, :key_end]))  # [H, r, D]
-        out_hist = (torch.cat(tiles, 1) / normalizer).transpose(0, 1)  # [n, H, D]
-    q = q_cand.transpose(0, 1) * alpha  # [H, m, D]
-    scores = _silu(torch.matmul(q, k_t))  # [H, m, T]
+    q = (torch.cat([q_hist, q_cand]) if n else q_cand).transpose(0, 1) * alpha  # [H, n + m, D]
+    tile_starts = list(range(0, n, QUERY_TILE)) or [0]
+    outputs = []
+    for i, r0 in enumerate(tile_starts):
+        last = i == len(tile_starts) - 1
+        r1 = n + m if last else r0 + QUERY_TILE
+        key_end = window if last else num_cached + r1  # later keys are masked for every row
+        scores = _silu(torch.matmul(q[:, r0:r1], k_t[:, :, :key_end]))  # [H, r, key_end]
+        h1 = min(r1, n)  # rows r0..h1 are history queries: query i sees key j <= i
+        if h1 > r0:
+            diagonal = scores[:, : h1 - r0, num_cached + r0 : num_cached + h1]  # [H, h, h]
+            diagonal.masked_fill_(_strictly_upper(h1 - r0, scores.device), 0.0)
+        outputs.append(torch.matmul(scores, v_h[:, :key_end]))  # [H, r, D]
+    out = torch.cat(outputs, 1).transpose(0, 1)  # [n + m, H, D]
     self_score = F.silu(alpha * (q_cand * k_cand).sum(-1, keepdim=True))  # [m, H, 1]
-    out_cand = (torch.matmul(scores, v_h).transpose(0, 1) + self_score * v_cand) / normalizer
-    return out_hist, out_cand
+    out_cand = (out[n:] + self_score * v_cand) / normalizer
+    return (out[:n] / normalizer if q_hist is not None else None), out_cand
 
 
 def _silu(scores: torch.Tensor) -> torch.Tensor:

@@ -129,3 +129,14 @@ def test_corrupted_cache_is_caught_by_parity():
     visits = [Visit(0, 30, cands)]
     with pytest.raises(AssertionError, match="max \\|cached - full\\|"):
         assert_logits_close(serve(model, cache, histories, visits), serve(model, None, histories, visits))
+
+
+def test_parity_when_attention_runs_in_many_query_tiles(monkeypatch):
+    import model.hstu as hstu
+
+    monkeypatch.setattr(hstu, "QUERY_TILE", 8)  # full recompute now spans many tiles, visits few
+    cfg = tiny_config()
+    model = sensitive_model(cfg, 5)
+    rng = np.random.default_rng(5)
+    histories = random_histories(rng, 4, (30, 70), cfg)
+    replay_and_compare(model, make_cache(cfg, num_pages=200), histories, rng, max_chunk=20)
