@@ -13,7 +13,7 @@ RAW_DIR     := $(if $(DATA_DIR),$(DATA_DIR),$(ARTIFACTS)/raw)
 PROCESSED   := $(ARTIFACTS)/processed
 CHECKPOINT  := $(ARTIFACTS)/checkpoint
 DEMO_PRESET ?= demo
-DEMO_REQUESTS ?= 600
+DEMO_REQUESTS ?=
 TRAIN_SECONDS ?= 300
 
 .PHONY: demo test venv clean
@@ -41,7 +41,7 @@ endif
 		$(PY) -m model.train --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) --preset $(DEMO_PRESET) \
 			--max_train_seconds $(TRAIN_SECONDS)
 	$(PY) benchmark/inference_end2end_example.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
-		--max_requests $(DEMO_REQUESTS) --output $(ARTIFACTS)/end2end.json
+		$(if $(DEMO_REQUESTS),--max_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/end2end.json
 
 clean:
 	rm -rf artifacts
