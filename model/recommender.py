@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from data.batch import VisitBatch
-from kvcache import KVCacheManager
+from kvcache import KVCacheManager, KVCacheMetadata
 from model.config import HSTUConfig
 from model.embeddings import TokenEmbedder
 from model.hstu import AttentionPlan, HSTULayer, KVStore
@@ -128,7 +128,9 @@ class HSTURecommender(nn.Module):
             raise ValueError("VisitBatch.action_weights must be 8-bit action masks in [0, 256)")
 
 
-def _check_cache_matches_plan(metadata, spans: TokenSpans, batch: VisitBatch, user_ids: list[int]) -> None:
+def _check_cache_matches_plan(
+    metadata: KVCacheMetadata, spans: TokenSpans, batch: VisitBatch, user_ids: list[int]
+) -> None:
     """The cache must hold exactly the window tokens before the computed ones; a user whose
     data vanished in between would otherwise be served with a truncated window."""
     expected_start = batch.window_starts.to(metadata.cached_start_pos.device)
