@@ -104,7 +104,7 @@ def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, cand
     def run_cached():
         meta = manager.prepare_kv_cache(users, [cached] * batch, [new] * batch)
         plan = AttentionPlan.from_lengths(new_lengths, cand_lengths, meta.total_lengths, meta.cached_lengths)
-        model._run_layers(x_new, x_cand, plan, PagedKV(manager, meta))
+        model.run_layers(x_new, x_cand, plan, PagedKV(manager, meta))
         manager.rollback(meta)
         _sync(device)
 
@@ -112,7 +112,7 @@ def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, cand
     full_plan: AttentionPlan = AttentionPlan.from_lengths(full_lengths, cand_lengths, full_lengths, None)
 
     def run_full():
-        model._run_layers(x_full, x_cand, full_plan, WindowKV())
+        model.run_layers(x_full, x_cand, full_plan, WindowKV())
         _sync(device)
 
     a = torch.randn(batch * (new + candidates), cfg.hidden_dim, device=device, dtype=dtype)

@@ -25,7 +25,7 @@ import torch
 
 from data.dataset import InferenceDataset
 from data.schema import TASKS
-from kvcache import KVCacheConfig, KVCacheManager
+from kvcache import KVCacheConfig, KVCacheManager, PageLayout
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
 from model.inference import InferenceSession
 from model.replay import ReplayPass, compare, replay
@@ -119,7 +119,7 @@ def make_cache(args: argparse.Namespace, model: HSTURecommender, working_set: in
     reloaded) but always at least one full batch of the largest windows."""
     cfg = model.config
     num_pages = args.kv_pages or max(working_set // 4, args.batch_size * largest_window)
-    bytes_per_page = 2 * cfg.num_layers * page_size * cfg.num_heads * cfg.head_dim * DTYPES[args.dtype].itemsize
+    bytes_per_page = PageLayout(cfg.num_layers, cfg.num_heads, cfg.head_dim, page_size, DTYPES[args.dtype]).page_nbytes
     host_capacity = args.host_capacity or int(working_set * bytes_per_page * 1.5) + bytes_per_page
     return KVCacheManager(KVCacheConfig(
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=page_size,

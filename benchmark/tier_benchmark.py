@@ -9,7 +9,7 @@ For each history length L (kuairand-1k geometry: 3 layers, 4 heads x 128, page 3
     `info` + `read` + onload into fresh device pages + metadata), then `rollback`; the user is
     evicted from the device again, untimed, before each round.
   * recompute: the model's layers over the L history tokens with nothing cached
-    (`_run_layers`, `WindowKV`, no candidates): what a miss costs on top of scoring the
+    (`run_layers`, `WindowKV`, no candidates): what a miss costs on top of scoring the
     candidates, which both paths pay. Embedding lookups are not timed (that favours recompute).
 Tiers: `memory` (InMemoryHostStorage), `disk` (DiskHostStorage in a temp dir, page cache warm:
 the node wrote it), `redis` (RedisHostStorage on a redis-server started on loopback, or
@@ -107,7 +107,7 @@ def recompute_fn(model: HSTURecommender, history: int) -> Callable[[], None]:
     x_cand = torch.randn(0, cfg.hidden_dim, dtype=model.dtype)
     lengths = torch.tensor([history])
     plan = AttentionPlan.from_lengths(lengths, torch.tensor([0]), lengths, None)
-    return lambda: model._run_layers(x_hist, x_cand, plan, WindowKV())
+    return lambda: model.run_layers(x_hist, x_cand, plan, WindowKV())
 
 
 def bench_history(model: HSTURecommender, factories: dict[str, TierFactory], history: int, repeats: int,

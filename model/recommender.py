@@ -6,7 +6,7 @@ from torch import nn
 
 from data.batch import VisitBatch
 from kvcache import KVCacheManager, KVCacheMetadata
-from model.config import HSTUConfig
+from model.config import NUM_ACTION_IDS, HSTUConfig
 from model.embeddings import TokenEmbedder
 from model.hstu import AttentionPlan, HSTULayer, KVStore
 from model.kv_store import PagedKV, WindowKV
@@ -60,7 +60,7 @@ class HSTURecommender(nn.Module):
         x_hist, x_cand = x_hist.to(self.dtype), x_cand.to(self.dtype)
         if kv_cache is None:
             plan = AttentionPlan.from_lengths(spans.history_lengths, batch.candidate_lengths, spans.history_lengths, None)
-            return self._run_layers(x_hist, x_cand, plan, WindowKV())
+            return self.run_layers(x_hist, x_cand, plan, WindowKV())
 
         user_ids = batch.user_ids.tolist()
         metadata = kv_cache.prepare_kv_cache(user_ids, spans.start_pos, spans.history_lengths, tags=cache_tags)
@@ -69,14 +69,15 @@ class HSTURecommender(nn.Module):
             plan = AttentionPlan.from_lengths(
                 spans.history_lengths, batch.candidate_lengths, metadata.total_lengths, metadata.cached_lengths
             )
-            logits = self._run_layers(x_hist, x_cand, plan, PagedKV(kv_cache, metadata))
+            logits = self.run_layers(x_hist, x_cand, plan, PagedKV(kv_cache, metadata))
         except BaseException:
             kv_cache.rollback(metadata)
             raise
         kv_cache.commit(metadata)
         return logits
 
-    def _run_layers(self, x_hist: torch.Tensor, x_cand: torch.Tensor, plan: AttentionPlan, kv: KVStore) -> torch.Tensor:
+    def run_layers(self, x_hist: torch.Tensor, x_cand: torch.Tensor, plan: AttentionPlan, kv: KVStore) -> torch.Tensor:
+        """The HSTU block and head on token embeddings: what the benchmarks time on its own."""
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x_hist, x_cand = layer(x_hist, x_cand, plan, kv, history_outputs_needed=i < last)
@@ -124,8 +125,8 @@ class HSTURecommender(nn.Module):
             values = getattr(batch, name)
             if values.numel() and int(values.min()) < 0:
                 raise ValueError(f"VisitBatch.{name} contains a negative id")
-        if batch.action_weights.numel() and not bool(((batch.action_weights >= 0) & (batch.action_weights < 256)).all()):
-            raise ValueError("VisitBatch.action_weights must be 8-bit action masks in [0, 256)")
+        if batch.action_weights.numel() and not bool(((batch.action_weights >= 0) & (batch.action_weights < NUM_ACTION_IDS)).all()):
+            raise ValueError(f"VisitBatch.action_weights must be 8-bit action masks in [0, {NUM_ACTION_IDS})")
 
 
 def _check_cache_matches_plan(
