@@ -9,7 +9,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
-TEST_ONLY = {"pytest", "hypothesis"}
+TEST_ONLY = {"pytest", "hypothesis", "ruff"}
 
 
 def _requirements(name: str) -> list[str]:
@@ -26,6 +26,6 @@ setup(
     packages=find_packages(include=["data", "data.*", "model", "model.*", "kvcache", "kvcache.*"]),
     py_modules=["preprocessor_inference"],
     install_requires=_requirements("requirements.txt"),
-    extras_require={"test": ["pytest", "hypothesis"]},
+    extras_require={"test": ["pytest", "hypothesis", "ruff"]},
     entry_points={"console_scripts": ["hstu-preprocess=preprocessor_inference:main"]},
 )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -28,9 +27,9 @@ from data.schema import TASKS
 from kvcache import KVCacheConfig, KVCacheManager, PageLayout
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
 from model.inference import InferenceSession
+from model.recommender import HSTURecommender
 from model.replay import ReplayPass, compare, replay
 from model.train import DEFAULT_SPLIT_DATE, config_for_dataset, date_to_ms
-from model.recommender import HSTURecommender
 
 log = logging.getLogger("end2end")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -210,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     task_names = TASKS
     report = {
         "num_requests": cached.num_requests,
-        "num_users": int(len(np.unique(dataset.requests.user_id[indices]))),
+        "num_users": len(np.unique(dataset.requests.user_id[indices])),
         "warmup_requests": int(sum(len(b) for b in warmup)),
         "batch_size": args.batch_size,
         "device": str(model.device),

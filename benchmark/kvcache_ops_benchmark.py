@@ -124,8 +124,8 @@ def bench_offload_reload(dtype: torch.dtype, device: torch.device, rounds: int, 
     nbytes = users * cfg.page_layout.num_pages(tokens) * cfg.page_layout.page_nbytes
     src = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
     dst = torch.ones(nbytes // dtype.itemsize, dtype=dtype, pin_memory=cfg.pin_host_memory)
-    d2h = lambda: dst.copy_(src)  # noqa: E731
-    h2d = lambda: src.copy_(dst)  # noqa: E731
+    d2h = lambda: dst.copy_(src)
+    h2d = lambda: src.copy_(dst)
     host = mgr._host  # the benchmark empties the host tier between rounds, so every round moves every page
 
     def drop_host():

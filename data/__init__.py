@@ -22,7 +22,17 @@ _EXPORTS = {
     "SyntheticConfig": "data.synthetic",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [
+    "InferenceDataset",
+    "Manifest",
+    "PreprocessParams",
+    "RawDataError",
+    "RequestTable",
+    "SyntheticConfig",
+    "VisitBatch",
+    "offsets_from_lengths",
+]
+assert sorted(_EXPORTS) == __all__
 
 if TYPE_CHECKING:
     from data.batch import VisitBatch

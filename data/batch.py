@@ -44,5 +44,5 @@ class VisitBatch:
         """[B] event index one past the last carried event (the visit's history end)."""
         return self.starts + self.history_lengths
 
-    def to(self, device: torch.device | str) -> "VisitBatch":
+    def to(self, device: torch.device | str) -> VisitBatch:
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})

@@ -7,8 +7,9 @@ are ~300 MB), so serving any event range of any user is two array slices. The ca
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -83,7 +84,7 @@ class InferenceDataset:
             raise KeyError(f"user {user_id} has no events in {self.root}")
         return int(self._offsets[row + 1] - self._offsets[row])
 
-    def user_events(self, user_id: int, start: int, end: int) -> "UserEvents":
+    def user_events(self, user_id: int, start: int, end: int) -> UserEvents:
         """Views of events [start, end) of `user_id`, the event before them and the user's
         features: everything a cached range of K/V was computed from."""
         row = int(np.searchsorted(self.user_ids, user_id))

@@ -33,7 +33,7 @@ class PreprocessParams:
 
     @property
     def session_gap_ms(self) -> int:
-        return int(round(self.session_gap_minutes * 60_000))
+        return round(self.session_gap_minutes * 60_000)
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Manifest:
         return json.dumps(body, indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, source: str = "manifest") -> "Manifest":
+    def from_json(cls, text: str, source: str = "manifest") -> Manifest:
         body = json.loads(text)
         version = body.get("schema_version")
         if version != schema.SCHEMA_VERSION:
@@ -116,7 +116,7 @@ class Manifest:
             raise ValueError(f"{source}: malformed manifest ({err!r})") from err
 
     @classmethod
-    def read(cls, path: Path | str) -> "Manifest":
+    def read(cls, path: Path | str) -> Manifest:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: manifest not found (not a preprocessed output directory?)")

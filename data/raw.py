@@ -8,6 +8,7 @@ line runs only after a read has failed.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -141,15 +142,13 @@ def _locate_read_error(path: Path, column_types: dict[str, pa.DataType], err: pa
             found.append((row.number, row.expected_columns, row.actual_columns))
             return "error"
 
-        try:
+        with contextlib.suppress(pa.ArrowInvalid):
             pacsv.read_csv(
                 path,
                 read_options=pacsv.ReadOptions(use_threads=False),
                 parse_options=pacsv.ParseOptions(invalid_row_handler=remember),
                 convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in column_types}),
             )
-        except pa.ArrowInvalid:
-            pass
         if found:
             line, expected, actual = found[0]
             return RawDataError(path, f"expected {expected} columns, got {actual}", line=line)

@@ -40,7 +40,7 @@ class RequestTable:
         return pa.table({f.name: pa.array(getattr(self, f.name), pa.int64()) for f in fields(self)})
 
     @classmethod
-    def from_arrow(cls, table: pa.Table) -> "RequestTable":
+    def from_arrow(cls, table: pa.Table) -> RequestTable:
         columns = {name: table.column(name).to_numpy() for name in schema.REQUEST_COLUMNS}
         return cls(**{name: values.astype(np.int64, copy=False) for name, values in columns.items()})
 

@@ -143,7 +143,7 @@ class _World:
     propensity: np.ndarray  # [U] user's action offset, in affinity units
 
     @classmethod
-    def draw(cls, rng: np.random.Generator, scale: float, cfg: SyntheticConfig) -> "_World":
+    def draw(cls, rng: np.random.Generator, scale: float, cfg: SyntheticConfig) -> _World:
         num_users = max(2, round(cfg.num_users * scale**0.5))
         num_videos = max(cfg.num_clusters, round(cfg.num_videos * scale))
         weight = rng.lognormal(0.0, cfg.events_per_user_sigma, num_users)

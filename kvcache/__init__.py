@@ -13,8 +13,8 @@ KVCacheConfig(..., persistent_dir=..., redis_url=..., redis_namespace=model_fing
 """
 from . import paged_kvcache_ops
 from .config import KVCacheConfig, PageLayout
-from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
 from .disk_storage import DiskHostStorage
+from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
 from .fail_open import FailOpenStorage
 from .host_storage import HostEntry, HostKVStorage, HostPages, HostWriteResult, InMemoryHostStorage, TierDataError
 from .manager import KVCacheManager

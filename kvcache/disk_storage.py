@@ -26,6 +26,7 @@ restart approximately; the byte bound survives it exactly (`bind` evicts down to
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -34,8 +35,9 @@ import struct
 import weakref
 import zlib
 from collections import OrderedDict
+from collections.abc import Collection
 from pathlib import Path
-from typing import Collection, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,7 +63,7 @@ class RecoveryReport(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("start_pos", "length", "tag", "seqs", "crcs", "nbytes")
+    __slots__ = ("crcs", "length", "nbytes", "seqs", "start_pos", "tag")
 
     def __init__(self, start_pos: int, length: int, tag: bytes, seqs: np.ndarray, crcs: np.ndarray, nbytes: int):
         self.start_pos = start_pos
@@ -404,10 +406,8 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _unlink(path: Path) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _parse_int(text: str) -> int | None:

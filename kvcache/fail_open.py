@@ -28,14 +28,21 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
-from typing import Callable, Collection, Sequence, TypeVar
+from typing import TypeVar
 
 from torch import Tensor
 
 from .config import PageLayout
 from .host_storage import (
-    HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill, TierDataError, sum_counters,
+    HostEntry,
+    HostKVStorage,
+    HostPages,
+    HostWriteResult,
+    PageFill,
+    TierDataError,
+    sum_counters,
 )
 from .page_io import new_pages
 

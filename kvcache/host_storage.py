@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Callable, Collection, NamedTuple
+from collections.abc import Callable, Collection
+from typing import NamedTuple
 
 from torch import Tensor
 
@@ -145,7 +146,7 @@ def sum_counters(*counters: dict[str, int]) -> dict[str, int]:
 
 
 class _Entry:
-    __slots__ = ("start_pos", "length", "buffer", "tag")
+    __slots__ = ("buffer", "length", "start_pos", "tag")
 
     def __init__(self, start_pos: int, length: int, buffer: Tensor) -> None:
         self.start_pos = start_pos

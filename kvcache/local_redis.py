@@ -51,7 +51,7 @@ class LocalRedisServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self) -> "LocalRedisServer":
+    def start(self) -> LocalRedisServer:
         """Start and wait until PING answers; retries with another port if one was taken in between
         (other processes share the machine)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +98,7 @@ class LocalRedisServer:
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=5.0)
 
-    def __enter__(self) -> "LocalRedisServer":
+    def __enter__(self) -> LocalRedisServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

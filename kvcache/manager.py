@@ -23,8 +23,8 @@ import operator
 import threading
 import weakref
 from array import array
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Collection, Sequence
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ _PREPARE_IDS = itertools.count(1)  # process-wide, so a metadata object from ano
 class _Resident:
     """A user's committed tokens on the device (plus reserved pages while in flight)."""
 
-    __slots__ = ("start_pos", "length", "pages", "tag", "synced")
+    __slots__ = ("length", "pages", "start_pos", "synced", "tag")
 
     def __init__(self, start_pos: int, length: int, pages: array, tag: bytes = b"", synced: HostEntry | None = None):
         self.start_pos = start_pos
@@ -308,7 +308,7 @@ class KVCacheManager:
                 with self._lock:
                     self._host.close()
 
-    def __enter__(self) -> "KVCacheManager":
+    def __enter__(self) -> KVCacheManager:
         return self
 
     def __exit__(self, *exc: object) -> None:

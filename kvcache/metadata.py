@@ -5,9 +5,9 @@ torch ops) and moved to the device in two copies (one int64, one int32 buffer).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Sequence
 
 import numpy as np
 import torch

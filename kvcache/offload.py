@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 _STOP = object()
 

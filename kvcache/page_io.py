@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def check_write(
-    layout: PageLayout, user_id: int, start_pos: int, length: int, first_page: int, held: "HostEntry | None",
+    layout: PageLayout, user_id: int, start_pos: int, length: int, first_page: int, held: HostEntry | None,
 ) -> int:
     """The number of pages of the written entry, once the write is valid against what the tier holds.
 

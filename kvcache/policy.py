@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Iterator
+from collections.abc import Iterator
 
 
 class EvictionPolicy(ABC):

@@ -8,7 +8,8 @@ nothing about users: the manager owns the page lists, the pool only hands pages 
 from __future__ import annotations
 
 from array import array
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import numpy as np
 import torch

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from typing import Collection, NamedTuple, NoReturn
+from collections.abc import Collection
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 import redis
 import torch
-from torch import Tensor
 
 from .config import PageLayout
 from .host_storage import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill, TierDataError
@@ -188,7 +188,7 @@ class _Meta(NamedTuple):
     version: bytes  # the entry's last write
 
     @classmethod
-    def parse(cls, raw: dict[bytes, bytes], layout: PageLayout) -> "_Meta":
+    def parse(cls, raw: dict[bytes, bytes], layout: PageLayout) -> _Meta:
         """Decode and cross-check a meta hash; malformed metadata is a `TierDataError`."""
         try:
             start, length, pages = int(raw[b"start"]), int(raw[b"length"]), int(raw[b"pages"])

@@ -6,7 +6,7 @@ any cached token without keeping a copy; `serve` runs one batch the way the mode
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor

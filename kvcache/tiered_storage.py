@@ -16,11 +16,17 @@ The chain is itself a `HostKVStorage`, so the manager sees one host tier:
 """
 from __future__ import annotations
 
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
 
 from .config import KVCacheConfig, PageLayout
 from .host_storage import (
-    HostEntry, HostKVStorage, HostPages, HostWriteResult, InMemoryHostStorage, PageFill, sum_counters,
+    HostEntry,
+    HostKVStorage,
+    HostPages,
+    HostWriteResult,
+    InMemoryHostStorage,
+    PageFill,
+    sum_counters,
 )
 from .page_io import check_write
 

@@ -6,6 +6,17 @@ from model.recommender import HSTURecommender, StaleKVCacheError
 from model.token_layout import TokenLayout, VisitPlan
 
 __all__ = [
-    "HSTUConfig", "preset", "PRESET_NAMES", "HSTURecommender", "StaleKVCacheError", "TokenLayout", "VisitPlan",
-    "save_checkpoint", "load_checkpoint", "CheckpointError", "model_fingerprint", "InferenceSession", "VisitResult",
+    "PRESET_NAMES",
+    "CheckpointError",
+    "HSTUConfig",
+    "HSTURecommender",
+    "InferenceSession",
+    "StaleKVCacheError",
+    "TokenLayout",
+    "VisitPlan",
+    "VisitResult",
+    "load_checkpoint",
+    "model_fingerprint",
+    "preset",
+    "save_checkpoint",
 ]

@@ -59,7 +59,7 @@ class HSTUConfig:
     def attention_dim(self) -> int:
         return self.num_heads * self.head_dim
 
-    def replace(self, **changes) -> "HSTUConfig":
+    def replace(self, **changes) -> HSTUConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -68,7 +68,7 @@ class HSTUConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "HSTUConfig":
+    def from_dict(cls, d: dict) -> HSTUConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -105,4 +105,4 @@ def preset(name: str, **overrides) -> HSTUConfig:
     return _PRESETS[name].replace(**overrides)
 
 
-__all__ = ["HSTUConfig", "preset", "PRESET_NAMES", "NUM_ACTION_IDS", "UNKNOWN_ACTION_ID"]
+__all__ = ["NUM_ACTION_IDS", "PRESET_NAMES", "UNKNOWN_ACTION_ID", "HSTUConfig", "preset"]

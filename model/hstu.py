@@ -55,7 +55,7 @@ class AttentionPlan:
         candidate_lengths: torch.Tensor,  # [B]
         window_lengths: torch.Tensor,  # [B] tokens the KVStore returns (cached + computed)
         cached_lengths: torch.Tensor | None,  # [B]; None: nothing cached
-    ) -> "AttentionPlan":
+    ) -> AttentionPlan:
         cached = [0] * history_lengths.numel() if cached_lengths is None else cached_lengths.tolist()
         return cls(
             history_offsets=offsets_from_lengths(history_lengths).tolist(),

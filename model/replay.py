@@ -76,7 +76,7 @@ def replay(session: InferenceSession, batches: list[np.ndarray], name: str, prog
         labels.append(result.labels)
         computed += result.tokens_computed
         reused += result.tokens_reused
-    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)  # noqa: E731
+    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     cand = cat(cand_lengths).astype(np.int64)
     return ReplayPass(
         name=name,

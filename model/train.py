@@ -18,7 +18,6 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -96,7 +95,7 @@ def split_requests(dataset: InferenceDataset, params: TrainParams) -> tuple[np.n
     period = dataset.request_indices(until_time_ms=date_to_ms(params.split_date))
     if len(period) < 2:
         raise ValueError(f"Only {len(period)} visits before {params.split_date}: nothing to train on")
-    n_holdout = max(1, int(round(len(period) * params.holdout_fraction)))
+    n_holdout = max(1, round(len(period) * params.holdout_fraction))
     train, holdout = period[:-n_holdout], period[-n_holdout:]
     if params.max_train_requests is not None:
         train = train[-params.max_train_requests:]  # the most recent ones: longest histories

@@ -6,6 +6,8 @@ every refusal (with its exact message for gaps and overlaps) and the counters; t
 itself is checked token by token with `token_kv` (salted by an epoch bumped at each
 invalidation, so stale data cannot pass for new).
 """
+import dataclasses
+import tempfile
 from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
@@ -274,3 +276,25 @@ TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = _SETTINGS
 TestAsyncCacheMachine = AsyncCacheMachine.TestCase
 TestAsyncCacheMachine.settings = settings(_SETTINGS, max_examples=30)
+
+
+# ---------------------------------------------------------------------- the stateful test, with a disk tier
+class DiskTierCacheMachine(CacheMachine):
+    """Same reference model: a chain whose lower tier never evicts behaves like one big host tier."""
+
+    def __init__(self):
+        super().__init__()
+        self.mgr.close()
+        self._dir = tempfile.TemporaryDirectory()
+        self.cfg = dataclasses.replace(self.cfg, persistent_dir=self._dir.name)
+        self.mgr = KVCacheManager(self.cfg)
+
+    def teardown(self):
+        super().teardown()
+        self._dir.cleanup()
+
+
+TestDiskTierCacheMachine = DiskTierCacheMachine.TestCase
+TestDiskTierCacheMachine.settings = settings(
+    max_examples=20, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+)

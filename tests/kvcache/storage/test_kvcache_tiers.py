@@ -1,16 +1,19 @@
 """The tag that travels with a user's K/V, the tier chain (TieredHostStorage), the tier settings of
-KVCacheConfig, and the stateful test rerun with a persistent tier behind the in-memory one."""
-import dataclasses
-import tempfile
-
+KVCacheConfig."""
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 
-import test_kvcache_stateful as stateful
 from kvcache import (
-    DiskHostStorage, FailOpenStorage, HostEntry, InMemoryHostStorage, KVCacheConfig, KVCacheManager,
-    KVCacheRequestError, PageLayout, TieredHostStorage, build_host_storage,
+    DiskHostStorage,
+    FailOpenStorage,
+    HostEntry,
+    InMemoryHostStorage,
+    KVCacheConfig,
+    KVCacheManager,
+    KVCacheRequestError,
+    PageLayout,
+    TieredHostStorage,
+    build_host_storage,
 )
 from kvcache.testing import append_batch, expected_kv, new_token_kv, serve, token_kv
 
@@ -247,25 +250,3 @@ def test_a_directory_of_another_model_geometry_is_refused_at_construction(tmp_pa
     with pytest.raises(ValueError, match="another layout"):
         KVCacheManager(_config(persistent_dir=str(tmp_path), head_dim=4))
     KVCacheManager(_config(persistent_dir=str(tmp_path))).close()  # the refused one released the directory
-
-
-# ---------------------------------------------------------------------- the stateful test, with a disk tier
-class DiskTierCacheMachine(stateful.CacheMachine):
-    """Same reference model: a chain whose lower tier never evicts behaves like one big host tier."""
-
-    def __init__(self):
-        super().__init__()
-        self.mgr.close()
-        self._dir = tempfile.TemporaryDirectory()
-        self.cfg = dataclasses.replace(self.cfg, persistent_dir=self._dir.name)
-        self.mgr = KVCacheManager(self.cfg)
-
-    def teardown(self):
-        super().teardown()
-        self._dir.cleanup()
-
-
-TestDiskTierCacheMachine = DiskTierCacheMachine.TestCase
-TestDiskTierCacheMachine.settings = settings(
-    max_examples=20, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-)

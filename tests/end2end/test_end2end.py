@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers import REPO_ROOT as ROOT
+from helpers import build_processed
 from model.train import main as train_main
-from pipeline_helpers import build_processed
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "benchmark" / "inference_end2end_example.py"
 
 

@@ -36,7 +36,7 @@ def test_matches_dense_reference(monkeypatch, num_cached, n, m, tile):
     monkeypatch.setattr(hstu, "QUERY_TILE", tile)
     torch.manual_seed(n * 31 + m)
     H, D = 2, 8
-    t = lambda rows: torch.randn(rows, H, D, dtype=torch.float64)  # noqa: E731
+    t = lambda rows: torch.randn(rows, H, D, dtype=torch.float64)
     q_hist, q_cand, k_cand, v_cand = t(n), t(m), t(m), t(m)
     k_window, v_window = t(num_cached + n), t(num_cached + n)
     args = (q_cand, k_cand, v_cand, k_window, v_window, num_cached, 0.3, 64.0)

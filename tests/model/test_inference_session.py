@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from data.dataset import InferenceDataset
+from helpers import assert_logits_close, build_processed, make_cache, sensitive_model
 from model.inference import InferenceSession
 from model.train import config_for_dataset
-from model_helpers import assert_logits_close, make_cache
-from pipeline_helpers import build_processed
-from test_model_parity import sensitive_model
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +80,7 @@ def test_rewritten_history_is_detected_and_recomputed(setup, processed, tmp_path
 
 def test_cache_written_by_another_model_is_not_reused(setup):
     dataset, cfg, model = setup
-    user, first, second = user_with_two_visits(dataset)
+    _user, first, second = user_with_two_visits(dataset)
     cache = make_cache(cfg, num_pages=256)
     InferenceSession(model, dataset, kv_cache=cache).serve(np.array([first]))
     other = sensitive_model(cfg, 1)
@@ -121,7 +119,7 @@ def test_cache_of_another_geometry_is_refused(setup):
 
 def test_a_batch_with_one_user_twice_is_refused(setup):
     dataset, cfg, model = setup
-    user, first, second = user_with_two_visits(dataset)
+    _user, first, second = user_with_two_visits(dataset)
     cache = make_cache(cfg)
     with pytest.raises(ValueError, match="at most once"):
         InferenceSession(model, dataset, kv_cache=cache).serve(np.array([first, second]))

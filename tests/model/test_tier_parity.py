@@ -6,18 +6,14 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
 from data.dataset import InferenceDataset
+from helpers import assert_logits_close, build_processed, sensitive_model
 from kvcache import KVCacheConfig, KVCacheManager
 from model.checkpoint import model_fingerprint, save_checkpoint
 from model.inference import InferenceSession
 from model.train import config_for_dataset
-from model_helpers import assert_logits_close
-from pipeline_helpers import build_processed
-from redis_server import private_redis_server, redis_server  # noqa: F401  (pytest fixtures)
-from test_model_parity import sensitive_model
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +87,8 @@ def test_restarted_process_reuses_the_persistent_tier(world, tmp_path):
     assert cache.stats().onloaded_bytes > 0
 
 
-def test_user_returning_to_another_node_reuses_its_kv(world, redis_server):  # noqa: F811
-    root, dataset, model = world
+def test_user_returning_to_another_node_reuses_its_kv(world, redis_server):
+    _root, dataset, model = world
     first, second = halves(dataset)
     tiers = {"redis_url": redis_server, "redis_namespace": model_fingerprint(model)}
     node_a, node_b = cache_for(model, **tiers), cache_for(model, **tiers)
@@ -102,8 +98,8 @@ def test_user_returning_to_another_node_reuses_its_kv(world, redis_server):  # n
     assert_parity_and_reuse(results, model, dataset, second)
 
 
-def test_redis_outage_mid_replay_falls_back_to_recompute(world, private_redis_server):  # noqa: F811
-    root, dataset, model = world
+def test_redis_outage_mid_replay_falls_back_to_recompute(world, private_redis_server):
+    _root, dataset, model = world
     indices = dataset.request_indices(max_requests=60)
     # A device pool and host memory far below the working set: returning users need Redis.
     cache = cache_for(model, redis_url=private_redis_server.url, redis_namespace=model_fingerprint(model))

@@ -2,9 +2,8 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO_ROOT as ROOT
 
 
 def test_benchmark_runs_quick(tmp_path):

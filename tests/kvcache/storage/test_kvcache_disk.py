@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import DISK_RESTART_CFG as CFG
+from helpers import subprocess_env
 from kvcache import DiskHostStorage, HostEntry, KVCacheConfig, KVCacheManager, PageLayout
 from kvcache.testing import append_batch, expected_kv, new_token_kv, serve, token_kv
 
@@ -111,7 +113,7 @@ def test_corruption_is_detected_dropped_and_counted(tmp_path):
     s.write(4, 0, 8, 0, _fill(_pages(2, 4)))
     s.write(5, 0, 8, 0, _fill(_pages(2, 5)))
     s.close()
-    shard = lambda u: Path(tmp_path, "users", f"{u:02x}")  # noqa: E731
+    shard = lambda u: Path(tmp_path, "users", f"{u:02x}")
     short = next(shard(1).glob("1_2_*.kv"))
     short.write_bytes(short.read_bytes()[:-1])
     index = shard(4) / "4.idx"
@@ -153,7 +155,6 @@ def test_bytes_stay_within_capacity_with_a_working_set_many_times_larger(tmp_pat
 
 
 # ---------------------------------------------------------------------- across processes
-CFG = dict(num_layers=2, num_heads=2, head_dim=4, page_size=4, num_pages=24, host_capacity_bytes=4096)
 
 RELOAD = """
 import sys, torch
@@ -214,7 +215,8 @@ def _check_consistent(path, layout):
 
 
 def _crash_writer(directory, *args):
-    return subprocess.Popen([sys.executable, str(HERE / "kvcache_crash_writer.py"), str(directory), *map(str, args)],
+    return subprocess.Popen([sys.executable, str(HERE / "crash_writer.py"), str(directory), *map(str, args)],
+                            env=subprocess_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -241,7 +243,7 @@ def test_kill_9_during_offloads_leaves_only_complete_entries(tmp_path):
     with KVCacheManager(cfg) as mgr:
         start, length = mgr.get_user_kvdata_info([0])
         salt = int(mgr.get_user_tags([0])[0].decode() or 0)
-        values = lambda u, pos: token_kv(cfg.page_layout, u, pos, salt)  # noqa: E731
+        values = lambda u, pos: token_kv(cfg.page_layout, u, pos, salt)
         meta = serve(mgr, [0], [int(start + length)], [3], values)
         assert meta.cached_lengths.item() == length.item()
         k, _ = mgr.read_kv(0, 1)

@@ -4,21 +4,27 @@ import json
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import redis
 import torch
 
+from helpers import REPO_ROOT as ROOT
+from helpers import unique_namespace
 from kvcache import (
-    FailOpenStorage, HostEntry, InMemoryHostStorage, KVCacheConfig, KVCacheManager, KVCacheStaleError, PageLayout,
-    TierDataError, TieredHostStorage,
+    FailOpenStorage,
+    HostEntry,
+    InMemoryHostStorage,
+    KVCacheConfig,
+    KVCacheManager,
+    KVCacheStaleError,
+    PageLayout,
+    TierDataError,
+    TieredHostStorage,
 )
 from kvcache.redis_storage import RedisHostStorage
 from kvcache.testing import expected_kv, serve
-from redis_server import private_redis_server, redis_server, unique_namespace  # noqa: F401 (fixtures)
 
-ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = PageLayout(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
 PAGE = LAYOUT.page_nbytes  # 128 bytes
 

@@ -8,10 +8,17 @@ import pytest
 import torch
 
 from kvcache import (
-    FailOpenStorage, HostPages, InMemoryHostStorage, KVCacheConfig, KVCacheManager, KVCacheStaleError, PageLayout,
-    TierDataError, TieredHostStorage,
+    FailOpenStorage,
+    HostPages,
+    InMemoryHostStorage,
+    KVCacheConfig,
+    KVCacheManager,
+    KVCacheStaleError,
+    PageLayout,
+    TierDataError,
+    TieredHostStorage,
+    fail_open,
 )
-from kvcache import fail_open
 from kvcache.testing import expected_kv, serve
 
 LAYOUT = PageLayout(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
@@ -175,7 +182,7 @@ def test_bad_data_from_a_tier_is_a_miss_that_is_recomputed(mode, caplog):
     mgr.evict_kv_cache()
     flaky.mode = mode
     with caplog.at_level(logging.WARNING, logger="kvcache"):
-        start, length = _visit(mgr, [1, 2])  # stale once (reported, then unreadable), then recomputed
+        _start, length = _visit(mgr, [1, 2])  # stale once (reported, then unreadable), then recomputed
     assert length.tolist() == [0, 0] and mgr.stats().tier_corrupt_reads >= 1
     assert guarded.info(1) == guarded.info(2) == (0, 3, b"")  # the bad entries were replaced by the recomputed ones
     assert sum("bad data" in r.getMessage() for r in caplog.records) == 1
@@ -197,7 +204,7 @@ def test_fill_errors_are_the_callers_and_propagate():
 
 
 def test_data_lost_between_the_report_and_the_prepare_is_refused_as_stale():
-    mgr, flaky, guarded = _manager(host_pages=0)
+    mgr, flaky, _guarded = _manager(host_pages=0)
     _visit(mgr, [1], new=6)
     mgr.evict_kv_cache()
     start, length = mgr.get_user_kvdata_info([1])

@@ -13,9 +13,9 @@ from data import InferenceDataset, VisitBatch, schema
 from data.manifest import Manifest, PreprocessParams
 from data.preprocess import preprocess
 from data.synthetic import generate
-from data_fixtures import MINUTE as M
-from data_fixtures import T0 as T
-from data_fixtures import feature_row, log_row, write_raw_dir
+from helpers import MINUTE as M
+from helpers import T0 as T
+from helpers import feature_row, log_row, write_raw_dir
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from data import schema
 from data.synthetic import SyntheticConfig, generate
-from data_fixtures import BEIJING
+from helpers import BEIJING
 
 # Written out from KUAIRAND_1K.md, not derived from data.schema.
 LOG_HEADER = (

@@ -1,9 +1,9 @@
-"""Child process of the kill -9 test (tests/test_kvcache_disk.py): serves and offloads users forever.
+"""Child process of the kill -9 test (test_kvcache_disk.py): serves and offloads users forever.
 
 Each user's data is `token_kv(user, position, salt)` and its tag is the salt, so the parent can
 check every entry it finds on disk. The writer resumes from what the directory holds (it is
 restarted after each kill), sometimes restarts a user's window with a new salt (a rewrite from
-page 0), and prints "ready" after its first offload. `kvcache_crash_writer.py DIR N` kills itself
+page 0), and prints "ready" after its first offload. `crash_writer.py DIR N` kills itself
 in the middle of its N-th index commit instead of waiting for the parent's SIGKILL.
 """
 import os
@@ -11,10 +11,9 @@ import random
 import signal
 import sys
 
+from helpers import DISK_RESTART_CFG as CFG
 from kvcache import KVCacheConfig, KVCacheManager, disk_storage
 from kvcache.testing import append_batch, new_token_kv, token_kv
-
-from test_kvcache_disk import CFG
 
 
 def die_in_commit(after: int) -> None:
@@ -48,7 +47,7 @@ def main(directory: str) -> None:
             start, length = (t.tolist() for t in mgr.get_user_kvdata_info(users))
             salts = [int(t.decode() or 0) for t in mgr.get_user_tags(users)]
             for i, u in enumerate(users):
-                if length[i] > 20 or length[i] and rng.random() < 0.15:  # the window moves on: rewritten from page 0
+                if length[i] > 20 or (length[i] and rng.random() < 0.15):  # the window moves on: rewritten from page 0
                     mgr.invalidate_kv_cache([u])
                     start[i], length[i], salts[i] = start[i] + length[i], 0, salts[i] + 1
             begins = [s + n for s, n in zip(start, length)]

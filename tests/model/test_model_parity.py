@@ -5,20 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-from model.recommender import HSTURecommender
-from model_helpers import (
-    Visit, assert_logits_close, make_cache, random_candidates, random_histories, serve, tiny_config,
+from helpers import (
+    Visit,
+    assert_logits_close,
+    make_cache,
+    random_candidates,
+    random_histories,
+    sensitive_model,
+    serve,
+    tiny_config,
 )
-
-
-def sensitive_model(config, seed: int = 0) -> HSTURecommender:
-    """Random weights with large embeddings, so every input token visibly moves the logits."""
-    torch.manual_seed(seed)
-    model = HSTURecommender(config).eval()
-    with torch.no_grad():
-        for table in model.embedder.collection.embeddings.values():
-            table.weight.normal_(std=0.5)
-    return model
 
 
 def random_splits(rng: np.random.Generator, length: int, max_chunk: int) -> list[int]:

@@ -13,14 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import preprocessor_inference
 from data import schema
 from data.manifest import PreprocessParams
 from data.preprocess import duplicate_mask, preprocess, stable_order
 from data.synthetic import generate
-from data_fixtures import MINUTE, T0, feature_row, log_row, snapshot, write_log, write_raw_dir, write_user_features
-import preprocessor_inference
+from helpers import MINUTE, T0, feature_row, log_row, snapshot, write_log, write_raw_dir, write_user_features
+from helpers import REPO_ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[1]
 T = T0
 M = MINUTE
 

@@ -7,12 +7,19 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import (
+    Visit,
+    assert_logits_close,
+    make_batch,
+    make_cache,
+    random_candidates,
+    random_histories,
+    sensitive_model,
+    serve,
+    tiny_config,
+)
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint, save_checkpoint
 from model.recommender import HSTURecommender, StaleKVCacheError
-from model_helpers import (
-    Visit, assert_logits_close, make_batch, make_cache, random_candidates, random_histories, serve, tiny_config,
-)
-from test_model_parity import sensitive_model
 
 
 @pytest.fixture()
@@ -39,7 +46,7 @@ def assert_same_data(a, b):
 
 
 def test_permuting_candidates_permutes_logits(setup):
-    cfg, model, rng, histories = setup
+    _cfg, model, rng, histories = setup
     cands = random_candidates(rng, 7)
     perm = rng.permutation(7)
     base = serve(model, None, histories, [Visit(0, 30, cands)])
@@ -48,7 +55,7 @@ def test_permuting_candidates_permutes_logits(setup):
 
 
 def test_adding_a_candidate_changes_no_other_logit(setup):
-    cfg, model, rng, histories = setup
+    _cfg, model, rng, histories = setup
     cands = random_candidates(rng, 5)
     base = serve(model, None, histories, [Visit(1, 25, cands)])
     more = serve(model, None, histories, [Visit(1, 25, np.append(cands, 12345))])
@@ -67,7 +74,7 @@ def test_candidates_never_enter_the_cache(setup):
 
 
 def test_batch_composition_does_not_change_logits(setup):
-    cfg, model, rng, histories = setup
+    _cfg, model, rng, histories = setup
     visits = [Visit(u, 20 + 5 * u, random_candidates(rng, 3)) for u in histories]
     together = serve(model, None, histories, visits)
     alone = torch.cat([serve(model, None, histories, [v]) for v in visits])
@@ -104,9 +111,8 @@ def test_cache_emptied_between_plan_and_forward_is_detected(setup):
     stale = make_batch(histories, [Visit(0, 20, random_candidates(rng, 2), window_start=0, start=10)])
     cache.invalidate_kv_cache([0])  # e.g. another thread's host eviction after our plan
     before = cache_snapshot(cache, [0], cfg.num_layers)
-    with pytest.raises(StaleKVCacheError, match="User 0"):
-        with torch.inference_mode():
-            model(stale, cache)
+    with pytest.raises(StaleKVCacheError, match="User 0"), torch.inference_mode():
+        model(stale, cache)
     after = cache_snapshot(cache, [0], cfg.num_layers)
     assert_same_data(before, after)
     assert after[3].pages_in_use == before[3].pages_in_use
@@ -123,7 +129,7 @@ def test_cache_emptied_between_plan_and_forward_is_detected(setup):
     ],
 )
 def test_malformed_batches_are_refused_before_touching_the_cache(setup, corrupt, message):
-    cfg, model, rng, histories = setup
+    _cfg, model, rng, histories = setup
     batch = corrupt(make_batch(histories, [Visit(u, 20, random_candidates(rng, 2)) for u in histories]))
     with pytest.raises(ValueError, match=message):
         model(batch)
@@ -135,7 +141,7 @@ def test_window_longer_than_the_model_is_refused(setup):
     batch = make_batch(histories, [Visit(0, cfg.max_seq_len + 10, random_candidates(rng, 1))])
     cache = make_cache(cfg, num_pages=512)
     before = cache.stats()
-    with pytest.raises(ValueError, match="User 0: .*longer than max_seq_len"):
+    with pytest.raises(ValueError, match=r"User 0: .*longer than max_seq_len"):
         model(batch, cache)
     assert cache.stats() == before
 

@@ -1,0 +1,46 @@
+"""pytest fixtures shared by every test package (plain helpers live in helpers.py).
+
+Redis: `redis_server` is the URL of one throwaway redis-server for the whole session (tests
+share it and isolate themselves with `helpers.unique_namespace()`); `private_redis_server`
+is a server of the test's own, which it may stop. Both listen on 127.0.0.1 only, on a free
+port, persist nothing, and are stopped at teardown. Without `redis-server` installed the
+tests that ask for one are skipped, and the run says so once at the end.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcache.local_redis import LocalRedisServer, redis_server_binary
+
+REDIS_MISSING = "redis-server is not installed (apt-get install redis-server): Redis-tier tests are skipped"
+
+
+def _require_redis_server() -> str:
+    binary = redis_server_binary()
+    if binary is None:
+        pytest.skip(REDIS_MISSING)
+    return binary
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL (`redis://127.0.0.1:PORT/0`) of a redis-server shared by the session."""
+    with LocalRedisServer(tmp_path_factory.mktemp("redis"), _require_redis_server()) as server:
+        yield server.url
+
+
+@pytest.fixture
+def private_redis_server(tmp_path: Path) -> Iterator[LocalRedisServer]:
+    """A redis-server of the test's own, which it may stop (stopped at teardown in any case)."""
+    with LocalRedisServer(tmp_path / "redis", _require_redis_server()) as server:
+        yield server
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    skipped = terminalreporter.stats.get("skipped", [])
+    redis_skips = sum(1 for report in skipped if REDIS_MISSING in str(report.longrepr))
+    if redis_skips:
+        terminalreporter.write_line(f"NOTE: {redis_skips} Redis-tier tests skipped: {REDIS_MISSING}", yellow=True, bold=True)

@@ -1,0 +1,234 @@
+"""Shared test helpers (fixtures live in conftest.py). Test modules import from here only.
+
+Sections: hand-made raw KuaiRand-1K files; small generated and preprocessed datasets;
+in-memory user histories and `VisitBatch`es for model tests (independent of the data layer
+on purpose, so a failure points at the model or the cache); Redis namespaces.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data import schema
+from data.batch import VisitBatch
+from data.manifest import PreprocessParams
+from data.preprocess import preprocess
+from data.synthetic import generate
+from model.config import HSTUConfig, preset
+from model.recommender import HSTURecommender
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- raw KuaiRand-1K files ------------------------------------------------------------
+BEIJING = dt.timezone(dt.timedelta(hours=8))
+T0 = int(dt.datetime(2022, 4, 10, 9, 0, tzinfo=BEIJING).timestamp() * 1000)  # a morning in the early log
+MINUTE = 60_000
+
+
+def log_row(user_id: int, video_id: int, time_ms: int, **values: int) -> dict[str, int]:
+    """One log row; date/hourmin follow time_ms (computed with the stdlib, not the code under
+    test), unspecified columns get plain defaults."""
+    local = dt.datetime.fromtimestamp(time_ms / 1000, BEIJING)
+    row = {column: 0 for column in schema.LOG_COLUMNS}
+    row.update(
+        user_id=user_id, video_id=video_id, time_ms=time_ms,
+        date=int(local.strftime("%Y%m%d")), hourmin=local.hour * 100,
+        play_time_ms=1_000, duration_ms=10_000,
+    )  # fmt: skip
+    row.update(values)
+    return row
+
+
+def write_csv(path: Path, header: list[str] | tuple[str, ...], rows: list[list[object]]) -> Path:
+    lines = [",".join(header)] + [",".join(str(v) for v in row) for row in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_log(path: Path, rows: list[dict[str, int]], columns: tuple[str, ...] = schema.LOG_COLUMNS) -> Path:
+    return write_csv(path, columns, [[row[c] for c in columns] for row in rows])
+
+
+def feature_row(user_id: int, **values: object) -> dict[str, object]:
+    """A user_features row with valid defaults for all 31 columns."""
+    row: dict[str, object] = {c: 0 for c in schema.USER_FEATURE_COLUMNS}
+    row.update(
+        user_id=user_id, user_active_degree="full_active", follow_user_num_range='"(0,10]"',
+        fans_user_num_range="0", friend_user_num_range='"[1,5)"', register_days_range="15-30",
+    )  # fmt: skip
+    row.update(values)
+    return row
+
+
+def write_user_features(path: Path, rows: list[dict[str, object]]) -> Path:
+    return write_csv(path, schema.USER_FEATURE_COLUMNS, [[row[c] for c in schema.USER_FEATURE_COLUMNS] for row in rows])
+
+
+def write_raw_dir(
+    root: Path, early: list[dict[str, int]], late: list[dict[str, int]], features: list[dict[str, object]]
+) -> Path:
+    """A KuaiRand-1K/data directory with the two standard logs and user features."""
+    data = root / "KuaiRand-1K" / "data"
+    data.mkdir(parents=True)
+    write_log(data / schema.LOG_STANDARD_EARLY, early)
+    write_log(data / schema.LOG_STANDARD_LATE, late)
+    write_user_features(data / schema.USER_FEATURES, features)
+    return data
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (relative path -> bytes): to prove a directory unchanged."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ---- generated, preprocessed data -----------------------------------------------------
+def build_processed(root: Path, scale: float = 0.002, seed: int = 3, num_candidates: int = 16) -> Path:
+    """Generate raw files into root/raw and preprocess them into root/processed."""
+    generate(root / "raw", scale=scale, seed=seed, progress=False)
+    preprocess(root / "raw", root / "processed", PreprocessParams(num_candidates=num_candidates), progress=False)
+    return root / "processed"
+
+
+# ---- model inputs ---------------------------------------------------------------------
+NUM_TASKS = 8
+
+
+@dataclass
+class History:
+    video_ids: np.ndarray
+    action_weights: np.ndarray
+    timestamps_ms: np.ndarray
+    user_features: np.ndarray  # [F]
+
+
+@dataclass
+class Visit:
+    user_id: int
+    end: int  # history events [0, end) exist at this visit
+    candidates: np.ndarray  # video ids
+    window_start: int = 0
+    start: int = 0  # first event carried in the batch
+
+
+def tiny_config(**overrides) -> HSTUConfig:
+    overrides.setdefault("user_feature_cardinalities", (3, 5, 4))
+    return preset("tiny", **overrides)
+
+
+def random_histories(rng: np.random.Generator, num_users: int, length: int | tuple[int, int],
+                     config: HSTUConfig, first_user: int = 0) -> dict[int, History]:
+    histories = {}
+    for u in range(first_user, first_user + num_users):
+        n = length if isinstance(length, int) else int(rng.integers(length[0], length[1] + 1))
+        gaps = rng.choice([0, 1_000, 30_000, 600_000, 7_200_000], size=n)
+        histories[u] = History(
+            video_ids=rng.integers(0, 50_000, size=n),
+            action_weights=rng.integers(0, 256, size=n),
+            timestamps_ms=1_649_376_000_000 + np.cumsum(gaps),
+            user_features=np.array([rng.integers(0, c) for c in config.user_feature_cardinalities] or [0]),
+        )
+    return histories
+
+
+def random_candidates(rng: np.random.Generator, count: int) -> np.ndarray:
+    return rng.integers(0, 50_000, size=count)
+
+
+def make_batch(histories: dict[int, History], visits: list[Visit]) -> VisitBatch:
+    def cat(parts, dtype=torch.int64):
+        return torch.as_tensor(np.concatenate(parts) if parts else np.zeros(0), dtype=dtype)
+
+    hists = [histories[v.user_id] for v in visits]
+    prev = []
+    for v, h in zip(visits, hists):
+        prev.append(h.timestamps_ms[v.start - 1] if v.start > 0 else h.timestamps_ms[min(v.start, len(h.timestamps_ms) - 1)])
+    request_times = [h.timestamps_ms[v.end - 1] + 60_000 for v, h in zip(visits, hists)]
+    labels = []
+    for v in visits:  # deterministic labels from the candidate ids
+        bits = (v.candidates[:, None] >> np.arange(NUM_TASKS)) & 1
+        labels.append(bits.astype(np.float32))
+    return VisitBatch(
+        request_ids=torch.arange(len(visits)),
+        user_ids=torch.tensor([v.user_id for v in visits]),
+        request_times_ms=torch.tensor(request_times),
+        window_starts=torch.tensor([v.window_start for v in visits]),
+        starts=torch.tensor([v.start for v in visits]),
+        history_lengths=torch.tensor([v.end - v.start for v in visits]),
+        prev_timestamps_ms=torch.tensor(prev, dtype=torch.int64),
+        user_features=torch.as_tensor(np.stack([h.user_features for h in hists]), dtype=torch.int64),
+        video_ids=cat([h.video_ids[v.start:v.end] for v, h in zip(visits, hists)]),
+        action_weights=cat([h.action_weights[v.start:v.end] for v, h in zip(visits, hists)]),
+        timestamps_ms=cat([h.timestamps_ms[v.start:v.end] for v, h in zip(visits, hists)]),
+        candidate_lengths=torch.tensor([len(v.candidates) for v in visits]),
+        candidate_video_ids=cat([v.candidates for v in visits]),
+        labels=cat(labels, torch.float32).reshape(-1, NUM_TASKS),
+    )
+
+
+def serve(model, kv_cache, histories: dict[int, History], visits: list[Visit]) -> torch.Tensor:
+    """Serve visits as InferenceSession does: plan against the cache (None: full recompute),
+    carry only the events to compute, forward. -> logits [M, num_tasks]"""
+    from model.inference import plan_visits
+
+    users = np.array([v.user_id for v in visits])
+    ends = np.array([v.end for v in visits])
+    plan = plan_visits(model.layout, kv_cache, users, ends)
+    planned = [Visit(v.user_id, v.end, v.candidates, int(w), int(s))
+               for v, w, s in zip(visits, plan.window_starts, plan.starts)]
+    with torch.inference_mode():
+        return model(make_batch(histories, planned), kv_cache)
+
+
+def make_cache(config: HSTUConfig, num_pages: int = 256, page_size: int | None = None,
+               host_capacity_bytes: int = 1 << 30, dtype: torch.dtype = torch.float32, **kwargs):
+    from kvcache import KVCacheConfig, KVCacheManager
+
+    return KVCacheManager(KVCacheConfig(
+        num_layers=config.num_layers, num_heads=config.num_heads, head_dim=config.head_dim,
+        page_size=page_size or config.page_size, num_pages=num_pages, dtype=dtype,
+        host_capacity_bytes=host_capacity_bytes, **kwargs,
+    ))
+
+
+def assert_logits_close(cached: torch.Tensor, full: torch.Tensor, rel: float = 1e-5) -> None:
+    scale = max(1.0, float(full.abs().max()))
+    diff = float((cached - full).abs().max()) if full.numel() else 0.0
+    assert diff <= rel * scale, f"max |cached - full| = {diff:.3g} > {rel:g} x scale {scale:.3g}"
+
+
+def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:
+    """Random weights with large embeddings, so every input token visibly moves the logits."""
+    torch.manual_seed(seed)
+    model = HSTURecommender(config).eval()
+    with torch.no_grad():
+        for table in model.embedder.collection.embeddings.values():
+            table.weight.normal_(std=0.5)
+    return model
+
+
+# ---- cache geometry shared by a test and the subprocesses it starts ----------------------
+DISK_RESTART_CFG = dict(num_layers=2, num_heads=2, head_dim=4, page_size=4, num_pages=24, host_capacity_bytes=4096)
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for a Python child process that imports `helpers`: the repository, then tests/, on
+    its path (in that order, so that tests/kvcache never shadows the kvcache package)."""
+    paths = [str(REPO_ROOT), str(REPO_ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+# ---- Redis ----------------------------------------------------------------------------
+_NAMESPACES = itertools.count()
+
+
+def unique_namespace(prefix: str = "test") -> str:
+    """A namespace no other test uses (tests share the session server: namespaces, not flushes)."""
+    return f"{prefix}-{next(_NAMESPACES)}-{time.time_ns()}"
