@@ -3,7 +3,7 @@
     cfg = KVCacheConfig(num_layers, num_heads, head_dim, page_size=32, num_pages=1024)
     mgr = KVCacheManager(cfg)
     start, length = mgr.get_user_kvdata_info(users)
-    meta = mgr.prepare_kv_cache(users, start + length, new_lengths)
+    meta = mgr.prepare_kv_cache(users, start + length, new_lengths, expected_cached_lengths=length)
     for layer ...: paged_kvcache_ops.append_kvcache(mgr.k_cache(l), mgr.v_cache(l), k, v, meta.new_token_slots)
                    k_all, v_all = paged_kvcache_ops.gather_kvcache(mgr.k_cache(l), mgr.v_cache(l), meta.kv_slots)
     mgr.commit(meta)   # or mgr.rollback(meta) if the forward failed
@@ -15,6 +15,7 @@ from . import paged_kvcache_ops
 from .config import KVCacheConfig, PageLayout
 from .disk_storage import DiskHostStorage
 from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
+from .events import CacheEvent, CacheEventListener, CacheLocation
 from .fail_open import FailOpenStorage
 from .host_storage import HostEntry, HostKVStorage, HostPages, HostWriteResult, InMemoryHostStorage, TierDataError
 from .manager import KVCacheManager
@@ -24,6 +25,9 @@ from .stats import CacheStats
 from .tiered_storage import TieredHostStorage, build_host_storage
 
 __all__ = [
+    "CacheEvent",
+    "CacheEventListener",
+    "CacheLocation",
     "CacheStats",
     "DiskHostStorage",
     "EvictionPolicy",

@@ -19,7 +19,6 @@ never mirrors it, it asks `info`.
 from __future__ import annotations
 
 import itertools
-import operator
 import threading
 import weakref
 from array import array
@@ -33,6 +32,7 @@ from torch import Tensor
 from . import paged_kvcache_ops
 from .config import KVCacheConfig
 from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
+from .events import CacheEventListener, CacheEvents
 from .host_storage import HostEntry, HostKVStorage, HostPages
 from .metadata import KVCacheMetadata, build_metadata, token_slots
 from .offload import OffloadWorker
@@ -40,8 +40,8 @@ from .policy import make_policy
 from .pool import DevicePagePool
 from .stats import CacheStats, new_counters, tier_counters
 from .tiered_storage import build_host_storage
+from .validation import UserIds, check_continues, check_expected, check_range, int_list, tag_list
 
-UserIds = Sequence[int] | Tensor
 _NOTHING = HostEntry(0, 0)
 _PREPARE_IDS = itertools.count(1)  # process-wide, so a metadata object from another manager is refused too
 
@@ -69,7 +69,6 @@ class _Pending:
     new_lengths: list[int]
     kept_pages: list[int]  # pages each user held before this prepare's new pages (onloaded ones included)
     created: list[bool]  # the resident entry was created for a user with nothing cached
-    tombstones: dict[int, int]  # cleared by this prepare, restored by rollback
     tags: list[bytes] | None  # applied at commit
 
 
@@ -88,9 +87,15 @@ class _Plan:
 class KVCacheManager:
     """User-keyed paged KV cache over a device page pool and a host tier. Thread-safe."""
 
-    def __init__(self, config: KVCacheConfig, host_storage: HostKVStorage | None = None) -> None:
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        host_storage: HostKVStorage | None = None,
+        event_listener: CacheEventListener | None = None,
+    ) -> None:
         """`host_storage=None` builds the tiers the config names (and closes them in `close`): an
-        in-memory tier, then a persistent and a Redis tier if configured (see `build_host_storage`)."""
+        in-memory tier, then a persistent and a Redis tier if configured (see `build_host_storage`).
+        `event_listener` hears where this manager holds each user's K/V (see `kvcache.events`)."""
         self.config = config
         self._layout = config.page_layout
         self._pool = DevicePagePool(self._layout, config.num_pages, config.device)
@@ -109,11 +114,8 @@ class KVCacheManager:
         self._users: dict[int, _Resident] = {}
         self._pending: dict[int, _Pending] = {}  # prepare id -> what it changed
         self._in_flight: set[int] = set()
-        # Where a caller may believe a non-resident user's data ends: set when its data leaves the
-        # device (kept by the host or lost) or is reported from the host tier (which may lose it
-        # without telling), cleared when it is reported otherwise, prepared or invalidated. A prepare
-        # that finds nothing cached and continues exactly there planned with a stale answer.
-        self._lost: dict[int, int] = {}
+        self._events = CacheEvents(event_listener)
+        self._closed = False
         self._offload_requested: set[int] = set()  # async offloads not yet run
         self._counters = new_counters()
         self._worker: OffloadWorker | None = None
@@ -138,25 +140,24 @@ class KVCacheManager:
     def get_user_kvdata_info(self, user_ids: UserIds) -> tuple[Tensor, Tensor]:
         """(cached_start_pos, cached_len), int64 [B] on CPU: what is reusable in any tier ((0, 0) if nothing).
 
-        Reporting a user also acknowledges any eviction of its data (see `KVCacheStaleError`).
+        The answer may be out of date by the time the caller prepares (another caller may evict or
+        invalidate in between): pass the lengths as `prepare_kv_cache(..., expected_cached_lengths=)`
+        to have such a prepare refused instead of silently restarting the user's window.
         """
         starts, lengths = [], []
         with self._lock:
-            for u in self._refusing(_int_list, user_ids, "user_ids"):
+            self._check_open()
+            for u in self._refusing(int_list, user_ids, "user_ids"):
                 start, length, _ = self._cached_entry(u)
                 starts.append(start)
                 lengths.append(length)
-                if length and u not in self._users:  # from the host tier, which may lose it before the prepare
-                    self._lost[u] = start + length
-                else:
-                    self._lost.pop(u, None)
         return torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
 
     def get_user_tags(self, user_ids: UserIds) -> list[bytes]:
         """The tag stored with each user's cached tokens (the one `get_user_kvdata_info` reports on);
         b"" when nothing is cached or the data was stored without a tag."""
         with self._lock:
-            return [self._cached_entry(u).tag for u in self._refusing(_int_list, user_ids, "user_ids")]
+            return [self._cached_entry(u).tag for u in self._refusing(int_list, user_ids, "user_ids")]
 
     def read_kv(self, user_id: int, layer: int) -> tuple[Tensor, Tensor]:
         """The committed K and V of a user for one layer, [cached_len, H, D] each on the device (a copy)."""
@@ -180,7 +181,13 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ prepare / commit / rollback
     def prepare_kv_cache(
-        self, user_ids: UserIds, start_pos: UserIds, new_lengths: UserIds, tags: Sequence[bytes] | None = None
+        self,
+        user_ids: UserIds,
+        start_pos: UserIds,
+        new_lengths: UserIds,
+        tags: Sequence[bytes] | None = None,
+        *,
+        expected_cached_lengths: UserIds | None = None,
     ) -> KVCacheMetadata:
         """Validate a batch against the cache, onload and allocate pages, and return where its tokens live.
 
@@ -188,9 +195,15 @@ class KVCacheManager:
         may start anywhere). A refused batch raises a `KVCacheRequestError` and changes nothing.
         The new tokens become part of the cache only at `commit`, and so do `tags` (one per user,
         describing all the committed tokens; None keeps the users' tags): rollback keeps the old ones.
+
+        `expected_cached_lengths` (one per user) is what the caller planned against, normally the
+        lengths `get_user_kvdata_info` returned: a user whose cache no longer holds exactly that many
+        tokens right before `start_pos` is refused with `KVCacheStaleError` (re-plan and retry). The
+        guard is per caller: it holds whatever other callers asked or did in between.
         """
         with self._lock:
-            plan = self._refusing(self._plan_prepare, user_ids, start_pos, new_lengths, tags)
+            self._check_open()
+            plan = self._refusing(self._plan_prepare, user_ids, start_pos, new_lengths, tags, expected_cached_lengths)
             if plan.pages_needed > self._pool.num_free:
                 self._evict_for(plan.pages_needed, batch=set(plan.user_ids), protect=plan.on_host.keys())
             host_pages = self._refusing(self._read_host, plan)
@@ -208,6 +221,9 @@ class KVCacheManager:
                     res.tag = tag
                 if res.length == 0:  # a visit with nothing new by a user with nothing cached
                     self._drop_resident(u)
+                else:
+                    self._events.on_device(u, res.start_pos, res.length)
+            self._events.flush()
             self._in_flight.difference_update(pending.user_ids)
             self._counters["tokens_appended"] += sum(pending.new_lengths)
             self._pool.mark_written()
@@ -219,19 +235,19 @@ class KVCacheManager:
         """
         with self._lock:
             pending = self._refusing(self._take_pending, meta)
-            freed = array("q")
-            for u, kept, created in zip(pending.user_ids, pending.kept_pages, pending.created):
-                res = self._users[u]
-                freed += res.pages[kept:]
-                del res.pages[kept:]
-                if created:
-                    self._drop_resident(u)
-            self._pool.free(freed)
-            for u, end in pending.tombstones.items():
-                if u not in self._users:
-                    self._lost[u] = end
-            self._in_flight.difference_update(pending.user_ids)
-            self._counters["rollbacks"] += 1
+            self._undo(pending)
+
+    def _undo(self, pending: _Pending) -> None:
+        freed = array("q")
+        for u, kept, created in zip(pending.user_ids, pending.kept_pages, pending.created):
+            res = self._users[u]
+            freed += res.pages[kept:]
+            del res.pages[kept:]
+            if created:
+                self._drop_resident(u)
+        self._pool.free(freed)
+        self._in_flight.difference_update(pending.user_ids)
+        self._counters["rollbacks"] += 1
 
     # ------------------------------------------------------------------ tiers
     def offload_kv_cache(self, user_ids: UserIds | None = None) -> None:
@@ -241,13 +257,15 @@ class KVCacheManager:
         the config says so (`wait()` to block); committed tokens only.
         """
         with self._lock:
+            self._check_open()
             if user_ids is None:
                 users = list(self._users)
             else:
-                users = [u for u in self._refusing(_int_list, user_ids, "user_ids") if u in self._users]
+                users = [u for u in self._refusing(int_list, user_ids, "user_ids") if u in self._users]
             if self._worker is None:
                 for u in users:
                     self._offload(u)
+                self._events.flush()
             else:
                 self._offload_requested.update(users)
                 self._worker.submit(tuple(users))
@@ -263,6 +281,7 @@ class KVCacheManager:
         A requested asynchronous offload of a user runs before its eviction.
         """
         with self._lock:
+            self._check_open()
             if user_ids is None:
                 users = [u for u in self._users if u not in self._in_flight]
             else:
@@ -270,17 +289,20 @@ class KVCacheManager:
             for u in users:
                 if u in self._users:
                     self._evict(u, offload=False)
+            self._events.flush()
 
     def invalidate_kv_cache(self, user_ids: UserIds) -> None:
         """Forget the users' data in every tier (a restarted attention window, a rewritten history)."""
         with self._lock:
+            self._check_open()
             users = self._refusing(self._checked_users, user_ids, "invalidated")
             for u in users:
                 if u in self._users:
                     self._drop_resident(u)
                 self._host.drop(u)
-                self._lost.pop(u, None)
                 self._offload_requested.discard(u)
+                self._events.gone(u)
+            self._events.flush()
 
     def stats(self) -> CacheStats:
         with self._lock:
@@ -296,7 +318,15 @@ class KVCacheManager:
             )
 
     def close(self) -> None:
-        """Finish pending offloads, stop the offload worker (async mode) and close the tiers the manager built."""
+        """Finish pending offloads, stop the offload worker (async mode) and close the tiers the manager built.
+
+        Idempotent. Every later call other than `close`, `wait` and `stats` is refused with a RuntimeError,
+        so no offload can be queued behind the worker's stop (which would leave `wait` blocked forever).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         try:
             if self._worker is not None:
                 try:
@@ -335,6 +365,10 @@ class KVCacheManager:
                 assert h is None or (h.start_pos == res.start_pos and h.length <= res.length), f"user {u}: host ahead"
 
     # ------------------------------------------------------------------ internals (lock held)
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("This KVCacheManager is closed.")
+
     def _refusing(self, fn, *args):
         """Call fn; count a refusal if it refuses."""
         try:
@@ -352,23 +386,28 @@ class KVCacheManager:
         return h if h is not None else _NOTHING
 
     def _checked_users(self, user_ids: UserIds, verb: str) -> list[int]:
-        users = _int_list(user_ids, "user_ids")
+        users = int_list(user_ids, "user_ids")
         for u in users:
             if u in self._in_flight:
                 raise KVCacheRequestError(f"User {u} has a prepare in flight and cannot be {verb}; commit or roll it back first.")
         return users
 
     def _plan_prepare(
-        self, user_ids: UserIds, start_pos: UserIds, new_lengths: UserIds, tags: Sequence[bytes] | None
+        self,
+        user_ids: UserIds,
+        start_pos: UserIds,
+        new_lengths: UserIds,
+        tags: Sequence[bytes] | None,
+        expected_cached_lengths: UserIds | None,
     ) -> _Plan:
-        users = _int_list(user_ids, "user_ids")
-        starts = _int_list(start_pos, "start_pos")
-        news = _int_list(new_lengths, "new_lengths")
-        if not len(users) == len(starts) == len(news):
-            raise KVCacheRequestError(
-                f"user_ids, start_pos and new_lengths differ in length: {len(users)}, {len(starts)}, {len(news)}."
-            )
-        tag_list = None if tags is None else _tag_list(tags, len(users))
+        users = int_list(user_ids, "user_ids")
+        starts = int_list(start_pos, "start_pos")
+        news = int_list(new_lengths, "new_lengths")
+        expected = None if expected_cached_lengths is None else int_list(expected_cached_lengths, "expected_cached_lengths")
+        if not len(users) == len(starts) == len(news) == (len(users) if expected is None else len(expected)):
+            named = f"{len(users)}, {len(starts)}, {len(news)}" + ("" if expected is None else f", {len(expected)}")
+            raise KVCacheRequestError(f"user_ids, start_pos, new_lengths and expected_cached_lengths differ in length: {named}.")
+        user_tags = None if tags is None else tag_list(tags, len(users))
         if len(set(users)) != len(users):
             seen: set[int] = set()
             dup = next(u for u in users if u in seen or seen.add(u))
@@ -376,9 +415,8 @@ class KVCacheManager:
         page_size = self._layout.page_size
         on_host: dict[int, HostEntry] = {}
         need = held = 0
-        for u, start, new in zip(users, starts, news):
-            if start < 0 or new < 0:
-                raise KVCacheRequestError(f"User {u}: start_pos and new_length must be >= 0, got {start} and {new}.")
+        for b, (u, start, new) in enumerate(zip(users, starts, news)):
+            check_range(u, start, new)
             if u in self._in_flight:
                 raise KVCacheRequestError(f"User {u} has a prepare in flight; commit or roll it back first.")
             res = self._users.get(u)
@@ -390,13 +428,10 @@ class KVCacheManager:
                 cached_start, cached_len, have = (h.start_pos, h.length, 0) if h is not None else (start, 0, 0)
                 if h is not None:
                     on_host[u] = h
+            if expected is not None:
+                check_expected(u, start, expected[b], cached_start, cached_len)
             if cached_len:
-                _check_continues(u, start, cached_start, cached_start + cached_len)
-            elif self._lost.get(u) == start:
-                raise KVCacheStaleError(
-                    f"User {u}: its cached tokens up to position {start - 1} were evicted after they were last "
-                    "reported; call get_user_kvdata_info again and recompute from what is cached."
-                )
+                check_continues(u, start, cached_start, cached_start + cached_len)
             need += -(-(cached_len + new) // page_size) - have
         in_flight = sum(len(self._users[u].pages) for u in self._in_flight)
         available = self._pool.num_pages - held - in_flight
@@ -405,7 +440,7 @@ class KVCacheManager:
                 f"The batch needs {need} more pages but the pool can free at most {available} for it "
                 f"(num_pages={self._pool.num_pages}; {held} held by the batch, {in_flight} by prepares in flight)."
             )
-        return _Plan(users, starts, news, on_host, need, tag_list)
+        return _Plan(users, starts, news, on_host, need, user_tags)
 
     def _read_host(self, plan: _Plan) -> dict[int, HostPages]:
         """Read what to onload.
@@ -421,7 +456,6 @@ class KVCacheManager:
             if hp is None or hp.entry != entry:
                 if hp is None:
                     self._host.drop(u)
-                self._lost[u] = entry.start_pos + entry.length
                 failed.append(f"user {u} up to position {entry.start_pos + entry.length - 1}")
             else:
                 out[u] = hp
@@ -434,10 +468,10 @@ class KVCacheManager:
 
     def _execute(self, plan: _Plan, host_pages: dict[int, HostPages]) -> KVCacheMetadata:
         page_size = self._layout.page_size
-        users, policy, lost = self._users, self._policy, self._lost
+        users, policy = self._users, self._policy
         fresh = self._pool.alloc(plan.pages_needed)  # one allocation for the batch, handed out in order
         taken = 0
-        kept, created, cached_start, cached_len, page_lists, tombstones = [], [], [], [], [], {}
+        kept, created, cached_start, cached_len, page_lists = [], [], [], [], []
         for u, start, new in zip(plan.user_ids, plan.start_pos, plan.new_lengths):
             res = users.get(u)
             is_new = res is None and u not in host_pages
@@ -461,22 +495,24 @@ class KVCacheManager:
             cached_start.append(res.start_pos)
             cached_len.append(res.length)
             page_lists.append(res.pages)
-            if u in lost:
-                tombstones[u] = lost.pop(u)
         assert taken == len(fresh)
         prepare_id = next(_PREPARE_IDS)
-        self._pending[prepare_id] = _Pending(
-            tuple(plan.user_ids), plan.new_lengths, kept, created, tombstones, plan.tags
-        )
+        self._pending[prepare_id] = _Pending(tuple(plan.user_ids), plan.new_lengths, kept, created, plan.tags)
         self._in_flight.update(plan.user_ids)
+        self._events.flush()  # onloads
+        try:
+            meta = build_metadata(
+                prepare_id, plan.user_ids, cached_start, cached_len, plan.new_lengths, page_lists,
+                page_size, self.config.device, self.config.pin_host_memory,
+            )
+        except BaseException:
+            self._undo(self._pending.pop(prepare_id))
+            raise
         hits = sum(1 for n in cached_len if n)
         self._counters["hits"] += hits
         self._counters["misses"] += len(cached_len) - hits
         self._counters["tokens_reused"] += sum(cached_len)
-        return build_metadata(
-            prepare_id, plan.user_ids, cached_start, cached_len, plan.new_lengths, page_lists,
-            page_size, self.config.device, self.config.pin_host_memory,
-        )
+        return meta
 
     def _take_pending(self, meta: KVCacheMetadata) -> _Pending:
         pending = self._pending.get(meta.prepare_id)
@@ -506,10 +542,13 @@ class KVCacheManager:
         """Drop a resident user from the device, offloading first if asked (or if an async offload is pending)."""
         if offload or u in self._offload_requested:
             self._offload(u, protect)
-        res = self._users[u]
         self._drop_resident(u)
         self._counters["device_evictions"] += 1
-        self._lost[u] = res.start_pos + res.length  # lost, or kept by a host tier that may lose it later
+        held = self._host.info(u)
+        if held is None:
+            self._events.gone(u)
+        else:
+            self._events.on_host(u, held.start_pos, held.length)
 
     def _drop_resident(self, u: int) -> None:
         res = self._users.pop(u)
@@ -522,6 +561,7 @@ class KVCacheManager:
         res = self._users[u] = _Resident(hp.start_pos, hp.length, pages, hp.tag, synced=hp.entry)
         self._policy.add(u)
         self._counters["onloaded_bytes"] += len(pages) * self._layout.page_nbytes
+        self._events.on_device(u, hp.start_pos, hp.length)
         return res
 
     def _offload(self, u: int, protect: Collection[int] = ()) -> None:
@@ -556,9 +596,9 @@ class KVCacheManager:
         else:
             self._counters["host_rejected_writes"] += 1
         self._counters["host_evictions"] += len(result.evicted)
-        for v, entry in result.evicted:
-            if v not in self._users:  # a mark set since is the caller's latest view
-                self._lost.setdefault(v, entry.start_pos + entry.length)
+        for v, _ in result.evicted:
+            if v not in self._users:
+                self._events.gone(v)
 
     def _run_offload_job(self, user_ids: tuple[int, ...]) -> None:
         """Worker side of an async offload: one user per lock hold, skipping users already handled."""
@@ -566,41 +606,6 @@ class KVCacheManager:
             with self._lock:
                 if u in self._offload_requested:
                     self._offload(u)
+                    self._events.flush()
 
 
-def _check_continues(u: int, start: int, cached_start: int, cached_end: int) -> None:
-    if start > cached_end:
-        raise KVCacheRequestError(
-            f"User {u}: The input sequence has missing tokens from {cached_end} to {start - 1} (both inclusive)."
-        )
-    if start < cached_start:
-        raise KVCacheRequestError(
-            f"User {u}: The input sequence starts at {start}, before the cached tokens [{cached_start}, {cached_end}); "
-            "invalidate the user's cache to restart it."
-        )
-    if start < cached_end:
-        raise KVCacheRequestError(
-            f"User {u}: The input sequence has overlapping tokens from {start} to {cached_end - 1} (both inclusive)."
-        )
-
-
-def _tag_list(tags: Sequence[bytes], n: int) -> list[bytes]:
-    if isinstance(tags, (bytes, bytearray, str)) or len(tags) != n:
-        raise KVCacheRequestError(f"tags must be a sequence of {n} bytes values (one per user), got {tags!r:.80}.")
-    out = []
-    for t in tags:
-        if not isinstance(t, (bytes, bytearray, memoryview)):
-            raise KVCacheRequestError(f"tags must be bytes values, got {type(t).__name__}.")
-        out.append(bytes(t))
-    return out
-
-
-def _int_list(values: UserIds, name: str) -> list[int]:
-    if isinstance(values, Tensor):
-        if values.dim() != 1 or values.is_floating_point() or values.is_complex():
-            raise KVCacheRequestError(f"{name} must be a 1-D integer tensor, got {values.dtype} {tuple(values.shape)}.")
-        return values.tolist()
-    try:
-        return [operator.index(v) for v in values]
-    except TypeError as exc:
-        raise KVCacheRequestError(f"{name} must be a sequence of ints: {exc}") from exc

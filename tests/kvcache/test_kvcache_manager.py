@@ -1,5 +1,8 @@
 """KVCacheManager semantics: round trips, prepare/commit/rollback, refusals, tiers, counters."""
+import contextlib
 import dataclasses
+import random
+import threading
 
 import pytest
 import torch
@@ -322,19 +325,103 @@ def test_invalidate_drops_every_tier():
     _assert_holds(mgr, 1, 40, 3, salt=1)
 
 
-def test_prepare_continuing_evicted_data_without_asking_again_is_refused():
+def test_prepare_planned_against_evicted_data_is_refused_and_changes_nothing():
     mgr = KVCacheManager(_config())
     serve(mgr, [1], [0], [6])
-    assert _info(mgr, [1]) == [(0, 6)]
+    start, length = mgr.get_user_kvdata_info([1])
+    assert (int(start[0]), int(length[0])) == (0, 6)
     mgr.evict_kv_cache([1])  # never offloaded: gone (e.g. another thread's admin call)
-    with pytest.raises(KVCacheStaleError):
-        mgr.prepare_kv_cache([1], [6], [2])  # planned with the old answer
-    mgr.rollback(mgr.prepare_kv_cache([1], [0], [2]))  # another start is fine; rolling it back restores the guard
-    with pytest.raises(KVCacheStaleError):
-        mgr.prepare_kv_cache([1], [6], [2])
-    assert _info(mgr, [1]) == [(0, 0)]
-    serve(mgr, [1], [6], [2])  # asked again: starting at 6 is now a deliberate restart
+    before = mgr.stats()
+    with pytest.raises(KVCacheStaleError, match="User 1: the cache holds nothing, but the batch was planned against 6 tokens"):
+        mgr.prepare_kv_cache([1], [6], [2], expected_cached_lengths=length)  # planned with the old answer
+    assert mgr.stats().pages_in_use == before.pages_in_use == 0
+    mgr.check_invariants()
+    serve(mgr, [1], [6], [2])  # planned against "nothing cached": starting at 6 is a deliberate restart
     _assert_holds(mgr, 1, 6, 2)
+
+
+def test_the_stale_guard_holds_per_caller_when_another_caller_asks_in_between():
+    mgr = KVCacheManager(_config())
+    serve(mgr, [7], [0], [10])
+    _, length_a = mgr.get_user_kvdata_info([7])  # caller A plans 2 new tokens after 10 cached
+    mgr.evict_kv_cache([7])
+    mgr.get_user_kvdata_info([7])  # caller B asks: nothing cached (this acknowledges nothing for A)
+    with pytest.raises(KVCacheStaleError):
+        mgr.prepare_kv_cache([7], [10], [2], expected_cached_lengths=length_a)
+    assert _info(mgr, [7]) == [(0, 0)]
+
+
+def test_the_stale_guard_holds_under_hammering_threads():
+    """8 threads serve disjoint visits of shared users while evictions run: a window may restart only at 0."""
+    mgr = KVCacheManager(_config(num_pages=64))
+    users = list(range(12))
+    locks = {u: threading.Lock() for u in users}  # one visit of a user at a time, as a session batches them
+    errors, restarted = [], []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                u = rng.choice(users)
+                if rng.random() < 0.2:
+                    with contextlib.suppress(KVCacheRequestError):
+                        mgr.evict_kv_cache([u])
+                    continue
+                with locks[u]:
+                    start, length = mgr.get_user_kvdata_info([u])
+                    s, n = int(start[0]), int(length[0])
+                    end = s + n if n else 0  # nothing cached: recompute from the first token
+                    try:
+                        meta = mgr.prepare_kv_cache([u], [end], [rng.randint(1, 3)], expected_cached_lengths=[n])
+                    except KVCacheStaleError:
+                        continue
+                    mgr.commit(meta)
+                    if mgr.get_user_kvdata_info([u])[0].item() != 0:
+                        restarted.append(u)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert not restarted, f"windows restarted after position 0: {sorted(set(restarted))}"
+    mgr.check_invariants()
+
+
+def test_a_position_overflow_is_refused_before_anything_changes():
+    mgr = KVCacheManager(KVCacheConfig(2, 2, 8, page_size=4, num_pages=16))
+    before = mgr.stats()
+    with pytest.raises(KVCacheRequestError, match=r"User 500: tokens .* reach past the largest token position"):
+        mgr.prepare_kv_cache([500], [2**63], [1])
+    with pytest.raises(KVCacheRequestError, match="User 500"):
+        mgr.prepare_kv_cache([500], [2**31 - 1], [1])
+    assert mgr.stats().pages_in_use == before.pages_in_use == 0
+    serve(mgr, [500], [0], [3])  # the user is not stuck "in flight"
+    mgr.evict_kv_cache([500])
+    mgr.invalidate_kv_cache([500])
+    mgr.check_invariants()
+
+
+def test_a_failure_after_allocation_rolls_the_prepare_back(monkeypatch):
+    import kvcache.manager as manager_module
+
+    mgr = KVCacheManager(_config())
+    serve(mgr, [1], [0], [5])
+
+    def broken(*args, **kwargs):
+        raise MemoryError("no memory for the page tables")
+
+    monkeypatch.setattr(manager_module, "build_metadata", broken)
+    with pytest.raises(MemoryError):
+        mgr.prepare_kv_cache([1, 2], [5, 0], [3, 3])
+    monkeypatch.undo()
+    mgr.check_invariants()
+    assert _info(mgr, [1, 2]) == [(0, 5), (0, 0)]
+    serve(mgr, [1, 2], [5, 0], [3, 3])  # neither user is left in flight
+    _assert_holds(mgr, 1, 0, 8)
 
 
 def test_host_eviction_of_a_device_evicted_user_is_visible_and_nothing_stale():
@@ -405,3 +492,69 @@ def test_user_ids_may_be_tensors():
     mgr = KVCacheManager(_config())
     serve(mgr, torch.tensor([4, 5]), torch.tensor([0, 2]), torch.tensor([3, 3]))
     assert _info(mgr, torch.tensor([5, 4])) == [(2, 3), (0, 3)]
+
+
+def _serve_and_offload_until_closed(mgr, seed, errors):
+    rng = random.Random(seed)
+    try:
+        for i in range(40):
+            u = seed * 100 + i % 3
+            _, length = mgr.get_user_kvdata_info([u])
+            mgr.commit(mgr.prepare_kv_cache([u], [int(length[0])], [rng.randint(1, 3)]))
+            mgr.offload_kv_cache([u])
+    except RuntimeError as exc:  # the manager was closed under this thread
+        if "closed" not in str(exc):
+            errors.append(exc)
+    except Exception as exc:  # pragma: no cover - reported below
+        errors.append(exc)
+
+
+def test_close_racing_async_offloads_never_hangs():
+    """Threads prepare/commit/offload while another closes: every call returns, later ones are refused."""
+    for run in range(7):
+        mgr = KVCacheManager(_config(num_pages=64, async_offload=True))
+        errors = []
+        threads = [threading.Thread(target=_serve_and_offload_until_closed, args=(mgr, i, errors)) for i in range(4)]
+        for t in threads:
+            t.start()
+        closer = threading.Thread(target=mgr.close)
+        closer.start()
+        for t in [*threads, closer]:
+            t.join(timeout=30)
+            assert not t.is_alive(), f"run {run}: a call hung"
+        waiter = threading.Thread(target=lambda m=mgr: (m.wait(), m.close()))
+        waiter.start()
+        waiter.join(timeout=10)
+        assert not waiter.is_alive(), f"run {run}: wait() or a second close() hung after close"
+        assert not errors, errors
+        with pytest.raises(RuntimeError, match="closed"):
+            mgr.offload_kv_cache([1])
+
+
+def test_events_report_where_each_user_is_held():
+    from kvcache import CacheEvent, CacheLocation
+
+    heard = []
+    page = _config().page_layout.page_nbytes
+    mgr = KVCacheManager(_config(num_pages=8, host_capacity_bytes=4 * page), event_listener=heard.extend)
+    serve(mgr, [1, 2], [0, 0], [6, 5])
+    assert heard == [CacheEvent(1, CacheLocation.DEVICE, 0, 6), CacheEvent(2, CacheLocation.DEVICE, 0, 5)]
+    heard.clear()
+    mgr.offload_kv_cache([1])
+    mgr.evict_kv_cache([1, 2])  # 1 survives in the host tier, 2 was never offloaded
+    assert heard == [CacheEvent(1, CacheLocation.HOST, 0, 6), CacheEvent(2, CacheLocation.NONE, 0, 0)]
+    heard.clear()
+    serve(mgr, [1], [6], [1])  # onloaded, then committed
+    assert heard == [CacheEvent(1, CacheLocation.DEVICE, 0, 6), CacheEvent(1, CacheLocation.DEVICE, 0, 7)]
+    heard.clear()
+    mgr.invalidate_kv_cache([1])
+    assert heard == [CacheEvent(1, CacheLocation.NONE, 0, 0)]
+
+
+def test_a_failing_event_listener_does_not_break_the_cache():
+    def broken(events):
+        raise RuntimeError("index unreachable")
+
+    mgr = KVCacheManager(_config(), event_listener=broken)
+    serve(mgr, [1], [0], [4])
+    _assert_holds(mgr, 1, 0, 4)

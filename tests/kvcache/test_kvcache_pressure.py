@@ -112,7 +112,7 @@ def test_stale_plans_are_refused_under_pressure():
     serve(mgr, [2], [0], [16])  # ...meanwhile user 1 is evicted and the 2-page host cannot keep it
     assert mgr.stats().host_rejected_writes == 1
     with pytest.raises(KVCacheStaleError):
-        mgr.prepare_kv_cache([1], [int(start + length)], [1])
+        mgr.prepare_kv_cache([1], [int(start + length)], [1], expected_cached_lengths=length)
     assert mgr.get_user_kvdata_info([1])[1].item() == 0  # asking again tells the truth
     serve(mgr, [1], [12], [1])
 

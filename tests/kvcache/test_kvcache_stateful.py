@@ -8,7 +8,7 @@ invalidation, so stale data cannot pass for new).
 """
 import dataclasses
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import hypothesis.strategies as st
 import torch
@@ -35,7 +35,6 @@ class Pending:
     cached: list  # committed (start, length) per user at prepare, after onload
     created: list
     pages: list  # pages each user holds while in flight
-    tombstones: dict = field(default_factory=dict)
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -51,7 +50,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.data = {}  # user -> (start, length) visible in some tier, length > 0
         self.host = {}  # user -> (start, length) held by the host tier
         self.resident = set()
-        self.lost = {}  # user -> end of data dropped since it was last reported
+        self.reported = {}  # user -> (start, length) get_user_kvdata_info last answered: a caller's belief
         self.salt = {}
         self.pending = []
         self.finished = []
@@ -85,19 +84,20 @@ class CacheMachine(RuleBasedStateMachine):
         self.counts["device_evictions"] += 1
         if u in self.host:
             self.data[u] = self.host[u]
-        elif u in self.data:
-            start, length = self.data.pop(u)
-            self.lost[u] = start + length
+        else:
+            self.data.pop(u, None)
 
-    def expected_refusal(self, users, starts, news):
+    def expected_refusal(self, users, starts, news, expected):
         if len(set(users)) != len(users):
             return KVCacheRequestError, None
         flight = self.in_flight()
         need = held = 0
-        for u, s, n in zip(users, starts, news):
+        for b, (u, s, n) in enumerate(zip(users, starts, news)):
             if u in flight:
                 return KVCacheRequestError, None
             cs, cl = self.data.get(u, (s, 0))
+            if expected is not None and not (cl == expected[b] and (cl == 0 or cs + cl == s)):
+                return KVCacheStaleError, None
             if cl:
                 end = cs + cl
                 if s > end:
@@ -108,8 +108,6 @@ class CacheMachine(RuleBasedStateMachine):
                 if s < end:
                     return KVCacheRequestError, (
                         f"User {u}: The input sequence has overlapping tokens from {s} to {end - 1} (both inclusive).")
-            elif self.lost.get(u) == s:
-                return KVCacheStaleError, None
             have = pages(cl) if u in self.resident else 0
             held += have
             need += pages(cl + n) - have
@@ -121,7 +119,7 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.pending) < 3)
     @rule(data=st.data(), users=st.lists(USERS, min_size=1, max_size=3))
     def prepare(self, data, users):
-        starts, news = [], []
+        starts, news, beliefs = [], [], []
         for u in users:
             n = data.draw(st.integers(0, 8), label="new")
             kind = data.draw(st.sampled_from(["continue"] * 4 + ["gap", "overlap", "anywhere"]), label="kind")
@@ -130,26 +128,31 @@ class CacheMachine(RuleBasedStateMachine):
                 end = cs + cl
                 s = {"continue": end, "gap": end + data.draw(st.integers(1, 4)),
                      "overlap": end - data.draw(st.integers(1, cl + 2)), "anywhere": end}[kind]
-            elif kind == "continue" and u in self.lost:
-                s = self.lost[u]
+            elif kind == "continue" and self.reported.get(u, (0, 0))[1]:
+                s = sum(self.reported[u])  # planned against an answer that is no longer true
             else:
                 s = data.draw(st.integers(0, 30), label="start")
             starts.append(max(s, 0))
             news.append(n)
-        expected = self.expected_refusal(users, starts, news)
+            believed = self.reported.get(u, (0, 0))[1]
+            beliefs.append(data.draw(st.sampled_from([self.data.get(u, (0, 0))[1], believed]), label="belief"))
+        guarded = beliefs if data.draw(st.booleans(), label="guarded") else None
+        expected = self.expected_refusal(users, starts, news, guarded)
         event(f"prepare -> {expected[0].__name__ if expected else 'ok'}")
         if expected is not None:
-            self.refused(lambda: self.mgr.prepare_kv_cache(users, starts, news), *expected)
+            self.refused(
+                lambda: self.mgr.prepare_kv_cache(users, starts, news, expected_cached_lengths=guarded), *expected
+            )
             return
         before = set(self.resident)
-        meta = self.mgr.prepare_kv_cache(users, starts, news)
+        meta = self.mgr.prepare_kv_cache(users, starts, news, expected_cached_lengths=guarded)
         for v in before - set(users) - set(self.mgr._users):  # evicted for room: offloaded first
             assert v not in self.in_flight()
             event("eviction for room")
             if v in self.data:
                 self.host[v] = self.data[v]
             self.drop_from_device(v)
-        cached, created, held, tombstones = [], [], [], {}
+        cached, created, held = [], [], []
         for u, s, n in zip(users, starts, news):
             cs, cl = self.data.get(u, (s, 0))
             if cl and u not in self.resident:
@@ -158,15 +161,13 @@ class CacheMachine(RuleBasedStateMachine):
             created.append(u not in self.data)
             held.append(pages(cl + n))
             self.resident.add(u)
-            if u in self.lost:
-                tombstones[u] = self.lost.pop(u)
             self.counts["hits" if cl else "misses"] += 1
             self.counts["tokens_reused"] += cl
         assert meta.cached_start_pos.tolist() == [c[0] for c in cached]
         assert meta.cached_lengths.tolist() == [c[1] for c in cached]
         assert meta.new_lengths.tolist() == news
         append_batch(self.mgr, meta, new_token_kv(self.cfg.page_layout, meta, starts, self.values))
-        self.pending.append(Pending(meta, list(users), starts, news, cached, created, held, tombstones))
+        self.pending.append(Pending(meta, list(users), starts, news, cached, created, held))
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data())
@@ -191,9 +192,6 @@ class CacheMachine(RuleBasedStateMachine):
         for u, is_new in zip(p.users, p.created):
             if is_new:
                 self.resident.discard(u)
-        for u, end in p.tombstones.items():
-            if u not in self.data:
-                self.lost[u] = end
         self.counts["rollbacks"] += 1
         self.finished.append(p.meta)
 
@@ -231,7 +229,6 @@ class CacheMachine(RuleBasedStateMachine):
         for u in set(users):
             self.data.pop(u, None)
             self.host.pop(u, None)
-            self.lost.pop(u, None)
             self.resident.discard(u)
             self.salt[u] = self.salt.get(u, 0) + 1
 
@@ -240,8 +237,7 @@ class CacheMachine(RuleBasedStateMachine):
         start, length = self.mgr.get_user_kvdata_info(users)
         expect = [self.data.get(u, (0, 0)) for u in users]
         assert list(zip(start.tolist(), length.tolist())) == expect
-        for u in users:
-            self.lost.pop(u, None)
+        self.reported.update(zip(users, expect))
 
     # ------------------------------------------------------------ invariants
     @invariant()

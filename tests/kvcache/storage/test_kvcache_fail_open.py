@@ -211,7 +211,7 @@ def test_data_lost_between_the_report_and_the_prepare_is_refused_as_stale():
     assert length.item() == 6
     flaky.drop(1)  # another node's eviction, a TTL: the manager is not told
     with pytest.raises(KVCacheStaleError):
-        mgr.prepare_kv_cache([1], start + length, [2])
+        mgr.prepare_kv_cache([1], start + length, [2], expected_cached_lengths=length)
     assert mgr.get_user_kvdata_info([1])[1].item() == 0
     serve(mgr, [1], [0], [8])
     _assert_data(mgr, [1])
@@ -230,7 +230,7 @@ def test_an_entry_that_info_reports_but_read_cannot_return_is_dropped_and_refuse
     start, length = mgr.get_user_kvdata_info([1])
     for _ in range(2):  # the same stale plan is refused again, not taken as a new user
         with pytest.raises(KVCacheStaleError):
-            mgr.prepare_kv_cache([1], start + length, [2])
+            mgr.prepare_kv_cache([1], start + length, [2], expected_cached_lengths=length)
     assert mgr.host_storage.info(1) is None and mgr.stats().pages_in_use == 0
     assert mgr.get_user_kvdata_info([1])[1].item() == 0
     serve(mgr, [1], [0], [8])
