@@ -5,12 +5,12 @@
 For each history length L and batch size B, every user has L history tokens of which
 all but the last --new_tokens are already in the paged KV cache, and --candidates
 candidates to score. Timed, in the same run:
-  * cached: prepare_kv_cache -> every layer (append new K/V, gather window, attend) -> rollback
-  * full:   every layer over all L history tokens + candidates, nothing cached
+  * cached: prepare_kv_cache -> plan and upload the batch -> embeddings and every layer (append new
+            K/V, attend over the pages) -> head -> rollback
+  * full:   the same over all L history tokens + candidates, nothing cached
 plus a plain torch.matmul of the shape of the cached path's largest GEMM, so the cached
 path's achieved FLOP rate is reported as a fraction of what this machine's matmul reaches.
-Token embeddings are not part of the block and are not timed (the embedding table is
-shrunk so the model fits anywhere).
+The embedding tables are shrunk so the model fits anywhere (lookups are a small part).
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvcache import KVCacheConfig, KVCacheManager, paged_kvcache_ops
+from kvcache import KVCacheConfig, KVCacheManager
 from model.config import HSTUConfig, preset
-from model.hstu import AttentionPlan
-from model.kv_store import PagedKV, WindowKV
+from model.kv_store import PagedKV
 from model.recommender import HSTURecommender
+from workloads import visit_batches
 
 
 @dataclass(frozen=True)
@@ -82,37 +82,29 @@ def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, cand
     cfg = model.config
     cached = history - new
     dtype = model.dtype
-    x_new = torch.randn(batch * new, cfg.hidden_dim, device=device, dtype=dtype)
-    x_full = torch.randn(batch * history, cfg.hidden_dim, device=device, dtype=dtype)
-    x_cand = torch.randn(batch * candidates, cfg.hidden_dim, device=device, dtype=dtype)
+    full_batch, new_batch = visit_batches(cfg, batch, history, new, candidates)
     pages_per_user = math.ceil(history / cfg.page_size) + 1
     manager = KVCacheManager(KVCacheConfig(
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
         num_pages=batch * pages_per_user, dtype=dtype, device=device, host_capacity_bytes=1 << 20,
     ))
     users = list(range(batch))
-    # Fill the cache with the users' first `cached` tokens.
+    # Fill the cache with the users' first `cached` tokens (random K/V: values do not change the cost).
     prefill = manager.prepare_kv_cache(users, [0] * batch, [cached] * batch)
     for layer in range(cfg.num_layers):
-        kv = torch.randn(batch * cached, cfg.num_heads, cfg.head_dim, device=device, dtype=dtype)
-        paged_kvcache_ops.append_kvcache(manager.k_cache(layer), manager.v_cache(layer), kv, kv, prefill.new_token_slots)
+        manager.k_cache(layer).normal_()
+        manager.v_cache(layer).normal_()
     manager.commit(prefill)
-
-    new_lengths = torch.full((batch,), new)
-    cand_lengths = torch.full((batch,), candidates)
 
     def run_cached():
         meta = manager.prepare_kv_cache(users, [cached] * batch, [new] * batch)
-        plan = AttentionPlan.from_lengths(new_lengths, cand_lengths, meta.total_lengths, meta.cached_lengths)
-        model.run_layers(x_new, x_cand, plan, PagedKV(manager, meta))
+        kv = PagedKV(manager.k_cache, manager.v_cache, meta)
+        model.run(model.prepare_inputs(new_batch, kv), kv)
         manager.rollback(meta)
         _sync(device)
 
-    full_lengths = torch.full((batch,), history)
-    full_plan: AttentionPlan = AttentionPlan.from_lengths(full_lengths, cand_lengths, full_lengths, None)
-
     def run_full():
-        model.run_layers(x_full, x_cand, full_plan, WindowKV())
+        model.run(model.prepare_inputs(full_batch))
         _sync(device)
 
     a = torch.randn(batch * (new + candidates), cfg.hidden_dim, device=device, dtype=dtype)
@@ -152,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    cfg = preset(args.preset, video_hash_size=1024)  # embeddings are not part of the block
+    cfg = preset(args.preset, video_hash_size=1024, user_feature_cardinalities=())  # small tables, no prefix
     if max(args.histories) > cfg.max_seq_len:
         p.error(f"history {max(args.histories)} exceeds the preset's max_seq_len {cfg.max_seq_len}")
     torch.manual_seed(0)

@@ -9,8 +9,8 @@ For each history length L (kuairand-1k geometry: 3 layers, 4 heads x 128, page 3
     `info` + `read` + onload into fresh device pages + metadata), then `rollback`; the user is
     evicted from the device again, untimed, before each round.
   * recompute: the model's layers over the L history tokens with nothing cached
-    (`run_layers`, `WindowKV`, no candidates): what a miss costs on top of scoring the
-    candidates, which both paths pay. Embedding lookups are not timed (that favours recompute).
+    (`HSTURecommender.run` on a planned batch, no candidates): what a miss costs on top of
+    scoring the candidates, which both paths pay.
 Tiers: `memory` (InMemoryHostStorage), `disk` (DiskHostStorage in a temp dir, page cache warm:
 the node wrote it), `redis` (RedisHostStorage on a redis-server started on loopback, or
 --redis_url). Each round times the recompute and every tier's reload in alternation (the
@@ -38,9 +38,8 @@ from kvcache.disk_storage import DiskHostStorage
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from kvcache.redis_storage import RedisHostStorage
 from model.config import HSTUConfig, preset
-from model.hstu import AttentionPlan
-from model.kv_store import WindowKV
 from model.recommender import HSTURecommender
+from workloads import visit_batches
 
 TIERS = ("memory", "disk", "redis")
 USER = 0
@@ -101,13 +100,10 @@ def time_reload(cache: KVCacheManager, history: int) -> float:
 
 
 def recompute_fn(model: HSTURecommender, history: int) -> Callable[[], None]:
-    """The model's layers over `history` tokens with nothing cached (no candidates)."""
-    cfg = model.config
-    x_hist = torch.randn(history, cfg.hidden_dim, dtype=model.dtype)
-    x_cand = torch.randn(0, cfg.hidden_dim, dtype=model.dtype)
-    lengths = torch.tensor([history])
-    plan = AttentionPlan.from_lengths(lengths, torch.tensor([0]), lengths, None)
-    return lambda: model.run_layers(x_hist, x_cand, plan, WindowKV())
+    """The model over `history` tokens with nothing cached (no candidates)."""
+    full, _ = visit_batches(model.config, 1, history, 0, 0)
+    inputs = model.prepare_inputs(full)
+    return lambda: model.run(inputs)
 
 
 def bench_history(model: HSTURecommender, factories: dict[str, TierFactory], history: int, repeats: int,

@@ -1,48 +1,46 @@
-"""The model's input for one batch of visits, in *event* coordinates.
+"""The model's input for one batch of visits, in *event* coordinates, on the host.
 
 A visit of user u carries the events `[start, start + history_length)` of u's history
 that the model has to compute (everything before `start` is either cached or outside
 the attention window), plus the visit's candidates. The model, not the data layer,
 maps events to token positions (see model/token_layout.py).
 
-Jagged fields are stored as flat `values` with per-user `lengths`; offsets are derived
-with `data.jagged.offsets_from_lengths` (the one place for that bookkeeping).
+Everything is numpy on the host: the model plans the batch there and moves what the
+device needs in one copy (see model/staging.py). Jagged fields are flat `values` with
+per-user `lengths`; offsets come from `data.jagged.offsets`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 
 @dataclass(frozen=True)
 class VisitBatch:
-    # --- one entry per visit (B visits, each of a different user) ---
-    request_ids: torch.Tensor  # [B] int64
-    user_ids: torch.Tensor  # [B] int64
-    request_times_ms: torch.Tensor  # [B] int64, time of the visit (its first candidate's time)
-    window_starts: torch.Tensor  # [B] int64, event index where the user's attention window begins
-    starts: torch.Tensor  # [B] int64, event index of the first carried event (>= window_starts)
-    history_lengths: torch.Tensor  # [B] int64, number of carried events
-    prev_timestamps_ms: torch.Tensor  # [B] int64, time of event start-1 (== time of event start when start == 0)
-    user_features: torch.Tensor  # [B, F] int64, encoded user-feature ids (the contextual prefix)
-    # --- jagged over carried events, sum(history_lengths) entries ---
-    video_ids: torch.Tensor  # [N] int64
-    action_weights: torch.Tensor  # [N] int64, bit t = task t
-    timestamps_ms: torch.Tensor  # [N] int64
+    # --- one entry per visit (B visits, each of a different user); int64 ---
+    request_ids: np.ndarray  # [B] (-1 for a request that is not in the dataset)
+    user_ids: np.ndarray  # [B]
+    request_times_ms: np.ndarray  # [B] time of the visit (its first candidate's time)
+    window_starts: np.ndarray  # [B] event index where the user's attention window begins
+    starts: np.ndarray  # [B] event index of the first carried event (>= window_starts)
+    history_lengths: np.ndarray  # [B] number of carried events
+    prev_timestamps_ms: np.ndarray  # [B] time of event start-1 (== time of event start when start == 0)
+    user_features: np.ndarray  # [B, F] encoded user-feature ids (the contextual prefix)
+    # --- jagged over carried events, sum(history_lengths) entries; int64 ---
+    video_ids: np.ndarray  # [N]
+    action_weights: np.ndarray  # [N] bit t = task t
+    timestamps_ms: np.ndarray  # [N]
     # --- jagged over candidates, sum(candidate_lengths) entries ---
-    candidate_lengths: torch.Tensor  # [B] int64
-    candidate_video_ids: torch.Tensor  # [M] int64
-    labels: torch.Tensor  # [M, num_tasks] float32, bit t of the candidate's action_weights
+    candidate_lengths: np.ndarray  # [B] int64
+    candidate_video_ids: np.ndarray  # [M] int64
+    labels: np.ndarray | None  # [M, num_tasks] float32 (bit t of the candidate's action); None when unknown
 
     @property
     def batch_size(self) -> int:
-        return int(self.user_ids.numel())
+        return len(self.user_ids)
 
     @property
-    def ends(self) -> torch.Tensor:
+    def ends(self) -> np.ndarray:
         """[B] event index one past the last carried event (the visit's history end)."""
         return self.starts + self.history_lengths
-
-    def to(self, device: torch.device | str) -> VisitBatch:
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})

@@ -14,11 +14,9 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
-from data import schema
+from data import jagged, schema
 from data.batch import VisitBatch
-from data.jagged import offsets_from_lengths
 from data.manifest import Manifest
 from data.requests import RequestTable
 
@@ -29,6 +27,21 @@ class UserEvents(NamedTuple):
     timestamps_ms: np.ndarray  # [n] int64
     prev_timestamp_ms: int  # time of the event before the range (of its first event at 0)
     user_features: np.ndarray  # [F] int64
+
+
+class EventArrays(NamedTuple):
+    """Every event of the dataset, flat and per user (read-only views): what derived indexes build on."""
+
+    user_ids: np.ndarray  # [U] ascending
+    offsets: np.ndarray  # [U + 1] user u's events are [offsets[u], offsets[u + 1])
+    video_ids: np.ndarray  # [E]
+    action_weights: np.ndarray  # [E]
+    timestamps_ms: np.ndarray  # [E]
+    user_features: np.ndarray  # [U, F]
+
+
+class UnknownUserError(ValueError):
+    """A request names a user the dataset has no events for."""
 
 
 class InferenceDataset:
@@ -133,56 +146,121 @@ class InferenceDataset:
         if batch:
             yield np.asarray(batch, dtype=np.int64)
 
+    def event_arrays(self) -> EventArrays:
+        return EventArrays(self.user_ids, self._offsets, self._video_ids, self._action_weights,
+                           self._timestamps, self._user_features)
+
+    # ------------------------------------------------------------ users
+    def user_rows(self, user_ids: np.ndarray) -> np.ndarray:
+        """[B] row of each user in the sequence arrays; `UnknownUserError` for a user without events."""
+        user_ids = np.asarray(user_ids, dtype=np.int64).reshape(-1)
+        rows = np.searchsorted(self.user_ids, user_ids)
+        found = rows < len(self.user_ids)
+        found[found] = self.user_ids[rows[found]] == user_ids[found]
+        if not found.all():
+            raise UnknownUserError(f"user {int(user_ids[~found][0])} has no events in {self.root}")
+        return rows
+
+    def history_ends(self, user_ids: np.ndarray, times_ms: np.ndarray) -> np.ndarray:
+        """[B] number of each user's events strictly before `times_ms` (its history at that time).
+
+        A vectorised binary search inside each user's (time-sorted) slice of the event arrays.
+        """
+        rows = self.user_rows(user_ids)
+        times = np.asarray(times_ms, dtype=np.int64).reshape(-1)
+        lo, hi = self._offsets[rows].copy(), self._offsets[rows + 1].copy()
+        while np.any(lo < hi):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            before = active & (self._timestamps[np.minimum(mid, len(self._timestamps) - 1)] < times)
+            lo = np.where(before, mid + 1, lo)
+            hi = np.where(active & ~before, mid, hi)
+        return lo - self._offsets[rows]
+
     # ------------------------------------------------------------ batches
     def make_batch(self, indices: np.ndarray, starts: np.ndarray, window_starts: np.ndarray) -> VisitBatch:
         """The VisitBatch for requests `indices` carrying events [starts[i], end_i) of each
         user, with window_starts[i] <= starts[i] <= end_i. Candidates are the request's
         events [end_i, end_i + num_candidates_i); labels are their action bits."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)  # [B]
-        starts = np.asarray(starts, dtype=np.int64).reshape(-1)  # [B]
-        window_starts = np.asarray(window_starts, dtype=np.int64).reshape(-1)  # [B]
-        if not len(idx) == len(starts) == len(window_starts):
-            raise ValueError(
-                f"indices, starts and window_starts differ in length: {len(idx)}, {len(starts)}, {len(window_starts)}"
-            )
         if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"request index out of range [0, {len(self)}): {idx[(idx < 0) | (idx >= len(self))][0]}")
         req = self.requests
-        user, end, num_candidates = req.user_id[idx], req.end[idx], req.num_candidates[idx]
+        row = self._request_user_row[idx]  # [B]
+        candidates = jagged.range_indices(self._offsets[row] + req.end[idx], req.num_candidates[idx])  # [M]
+        return self._visit_batch(
+            row, req.end[idx], starts, window_starts, req.request_id[idx], req.time_ms[idx],
+            req.num_candidates[idx], self._video_ids[candidates],
+            schema.action_labels(self._action_weights[candidates]),
+        )
+
+    def make_request_batch(
+        self,
+        user_ids: np.ndarray,
+        ends: np.ndarray,
+        starts: np.ndarray,
+        window_starts: np.ndarray,
+        request_times_ms: np.ndarray,
+        candidate_lengths: np.ndarray,
+        candidate_video_ids: np.ndarray,
+    ) -> VisitBatch:
+        """The VisitBatch for ad-hoc requests (a serving node's): each user's events [starts, ends)
+        with the given candidates and no labels."""
+        rows = self.user_rows(user_ids)
+        ends = np.asarray(ends, dtype=np.int64).reshape(-1)
+        n_events = self._offsets[rows + 1] - self._offsets[rows]
+        if np.any((ends < 1) | (ends > n_events)):
+            b = int(np.flatnonzero((ends < 1) | (ends > n_events))[0])
+            raise ValueError(f"user {int(user_ids[b])}: history end {int(ends[b])} outside [1, {int(n_events[b])}]")
+        return self._visit_batch(
+            rows, ends, starts, window_starts, np.full(len(rows), -1, dtype=np.int64),
+            np.asarray(request_times_ms, dtype=np.int64).reshape(-1),
+            np.asarray(candidate_lengths, dtype=np.int64).reshape(-1),
+            np.asarray(candidate_video_ids, dtype=np.int64).reshape(-1), None,
+        )
+
+    def _visit_batch(
+        self, row: np.ndarray, end: np.ndarray, starts: np.ndarray, window_starts: np.ndarray,
+        request_ids: np.ndarray, request_times: np.ndarray, num_candidates: np.ndarray,
+        candidate_video_ids: np.ndarray, labels: np.ndarray | None,
+    ) -> VisitBatch:
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)  # [B]
+        window_starts = np.asarray(window_starts, dtype=np.int64).reshape(-1)  # [B]
+        if not len(row) == len(starts) == len(window_starts):
+            raise ValueError(
+                f"requests, starts and window_starts differ in length: {len(row)}, {len(starts)}, {len(window_starts)}"
+            )
+        user = self.user_ids[row]
         if len(np.unique(user)) != len(user):
             raise ValueError("a batch holds each user at most once (use InferenceDataset.batches)")
         bad = np.flatnonzero((window_starts < 0) | (window_starts > starts) | (starts > end))
         if len(bad):
             i = bad[0]
             raise ValueError(
-                f"request {int(req.request_id[idx[i]])} (user {int(user[i])}): invalid range "
+                f"request {int(request_ids[i])} (user {int(user[i])}): invalid range "
                 f"window_start={int(window_starts[i])}, start={int(starts[i])}, end={int(end[i])}; "
                 "need 0 <= window_start <= start <= end"
             )
-        row = self._request_user_row[idx]  # [B]
         base = self._offsets[row]  # [B] flat index of each user's event 0
         history_lengths = end - starts  # [B]
-        events = _range_indices(base + starts, history_lengths)  # [N]
-        candidates = _range_indices(base + end, num_candidates)  # [M]
-        # A request always has >= 1 event before `end`, so event max(start - 1, 0) exists.
+        events = jagged.range_indices(base + starts, history_lengths)  # [N]
+        # A visit always has >= 1 event before `end`, so event max(start - 1, 0) exists.
         prev_timestamps = self._timestamps[base + np.maximum(starts - 1, 0)]  # [B]
-
-        t = torch.from_numpy
         return VisitBatch(
-            request_ids=t(req.request_id[idx]),
-            user_ids=t(user),
-            request_times_ms=t(req.time_ms[idx]),
-            window_starts=t(window_starts.copy()),
-            starts=t(starts.copy()),
-            history_lengths=t(history_lengths),
-            prev_timestamps_ms=t(prev_timestamps),
-            user_features=t(self._user_features[row]),  # [B, F]
-            video_ids=t(self._video_ids[events]),
-            action_weights=t(self._action_weights[events]),
-            timestamps_ms=t(self._timestamps[events]),
-            candidate_lengths=t(num_candidates),
-            candidate_video_ids=t(self._video_ids[candidates]),
-            labels=t(schema.action_labels(self._action_weights[candidates])),  # [M, num_tasks]
+            request_ids=request_ids,
+            user_ids=user,
+            request_times_ms=request_times,
+            window_starts=window_starts.copy(),
+            starts=starts.copy(),
+            history_lengths=history_lengths,
+            prev_timestamps_ms=prev_timestamps,
+            user_features=self._user_features[row],  # [B, F]
+            video_ids=self._video_ids[events],
+            action_weights=self._action_weights[events],
+            timestamps_ms=self._timestamps[events],
+            candidate_lengths=num_candidates,
+            candidate_video_ids=candidate_video_ids,
+            labels=labels,  # [M, num_tasks]
         )
 
     # ------------------------------------------------------------ loading helpers
@@ -224,9 +302,3 @@ def _flat_list(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     lists = column.combine_chunks()
     offsets = lists.offsets.to_numpy().astype(np.int64)
     return lists.flatten().to_numpy().astype(np.int64, copy=False), offsets - offsets[0]
-
-
-def _range_indices(begin: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation over i of arange(begin[i], begin[i] + lengths[i]): [sum(lengths)]."""
-    offsets = offsets_from_lengths(torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64))).numpy()
-    return np.repeat(begin - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)

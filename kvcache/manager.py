@@ -502,8 +502,7 @@ class KVCacheManager:
         self._events.flush()  # onloads
         try:
             meta = build_metadata(
-                prepare_id, plan.user_ids, cached_start, cached_len, plan.new_lengths, page_lists,
-                page_size, self.config.device, self.config.pin_host_memory,
+                prepare_id, plan.user_ids, cached_start, cached_len, plan.new_lengths, page_lists, page_size
             )
         except BaseException:
             self._undo(self._pending.pop(prepare_id))

@@ -1,12 +1,14 @@
-"""What `prepare_kv_cache` returns: the per-batch page tables and token slots.
+"""What `prepare_kv_cache` returns: the per-batch page tables and token slots, on the host.
 
-Built once per batch from Python lists with a handful of vectorised numpy ops (no per-user
-torch ops) and moved to the device in two copies (one int64, one int32 buffer).
+Built once per batch from the users' page lists with a handful of vectorised numpy ops (no
+per-user torch ops). It stays on the host: a serving forward packs it with the rest of its
+per-batch metadata and moves everything to the device in one copy; `to(device)` is for callers
+driving the cache ops by hand.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from itertools import chain
 
 import numpy as np
@@ -16,7 +18,7 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class KVCacheMetadata:
-    """Per-batch cache layout; tensors are on the cache device, B users in the order given to prepare.
+    """Per-batch cache layout: CPU tensors (views of numpy arrays), B users in the order given to prepare.
 
     Token position p of user b lives at slot `page * page_size + (p - cached_start_pos[b]) % page_size`
     with `page = pages_b[(p - cached_start_pos[b]) // page_size]`.
@@ -34,6 +36,7 @@ class KVCacheMetadata:
     page_indices: Tensor  # [sum pages] int32, the users' page tables concatenated
     page_indptr: Tensor  # [B+1] int32
     last_page_lens: Tensor  # [B] int32, tokens in each user's last page (0 when it has none)
+    page_size: int
     prepare_id: int = field(repr=False)  # identifies the pending prepare for commit/rollback
 
     @property
@@ -47,6 +50,11 @@ class KVCacheMetadata:
     @property
     def num_kv_tokens(self) -> int:
         return int(self.kv_slots.numel())
+
+    def to(self, device: torch.device | str) -> KVCacheMetadata:
+        """The same metadata with every tensor on `device` (for callers driving the cache ops by hand)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        return replace(self, **moved)
 
 
 def token_slots(pages: np.ndarray, npages: np.ndarray, lo: np.ndarray, hi: np.ndarray, page_size: int) -> np.ndarray:
@@ -73,8 +81,6 @@ def build_metadata(
     new_lengths: Sequence[int],
     page_lists: Sequence[Sequence[int]],
     page_size: int,
-    device: torch.device,
-    pin_memory: bool,
 ) -> KVCacheMetadata:
     """`page_lists[b]` must hold exactly ceil((cached + new) / page_size) pages."""
     cached = np.asarray(cached_lengths, dtype=np.int64)
@@ -85,28 +91,26 @@ def build_metadata(
     kv_slots = token_slots(pages, npages, np.zeros_like(total), total, page_size)
     new_slots = token_slots(pages, npages, cached, total, page_size)
     last_page_lens = np.where(npages > 0, total - (npages - 1) * page_size, 0)
-
-    i64 = _to_device(
-        [np.asarray(cached_start_pos, dtype=np.int64), cached, new, total,
-         _offsets(total), _offsets(new), kv_slots, new_slots],
-        np.int64, device, pin_memory,
+    t = torch.from_numpy
+    return KVCacheMetadata(
+        tuple(user_ids),
+        cached_start_pos=t(np.asarray(cached_start_pos, dtype=np.int64)),
+        cached_lengths=t(cached),
+        new_lengths=t(new),
+        total_lengths=t(total),
+        kv_offsets=t(_offsets(total)),
+        new_offsets=t(_offsets(new)),
+        kv_slots=t(kv_slots),
+        new_token_slots=t(new_slots),
+        page_indices=t(pages.astype(np.int32)),
+        page_indptr=t(_offsets(npages).astype(np.int32)),
+        last_page_lens=t(last_page_lens.astype(np.int32)),
+        page_size=page_size,
+        prepare_id=prepare_id,
     )
-    i32 = _to_device([pages, _offsets(npages), last_page_lens], np.int32, device, pin_memory)
-    return KVCacheMetadata(tuple(user_ids), *i64, *i32, prepare_id=prepare_id)
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=out[1:])
     return out
-
-
-def _to_device(parts: list[np.ndarray], dtype: type, device: torch.device, pin_memory: bool) -> list[Tensor]:
-    """Concatenate, move in one copy (pinned + asynchronous on CUDA), split back into views."""
-    sizes = [len(p) for p in parts]
-    flat = torch.from_numpy(np.concatenate(parts).astype(dtype, copy=False))
-    if device.type != "cpu":
-        if pin_memory:
-            flat = flat.pin_memory()
-        flat = flat.to(device, non_blocking=pin_memory)
-    return list(torch.split(flat, sizes))

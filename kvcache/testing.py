@@ -37,7 +37,7 @@ def append_batch(mgr: KVCacheManager, meta: KVCacheMetadata, kv: Tensor) -> None
     kv = kv.to(mgr.config.device)
     for layer in range(mgr.config.num_layers):
         paged_kvcache_ops.append_kvcache(
-            mgr.k_cache(layer), mgr.v_cache(layer), kv[0, layer], kv[1, layer], meta.new_token_slots
+            mgr.k_cache(layer), mgr.v_cache(layer), kv[0, layer], kv[1, layer], meta.new_token_slots.to(mgr.config.device)
         )
 
 

@@ -1,17 +1,22 @@
 """HSTU ranking model with incremental (paged KV cache) inference."""
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint, save_checkpoint
 from model.config import PRESET_NAMES, HSTUConfig, preset
-from model.inference import InferenceSession, VisitResult
-from model.recommender import HSTURecommender, StaleKVCacheError
+from model.inference import InferenceSession, ScoreRequest, VisitResult
+from model.kv_store import FullRecompute, KVStore, PagedKV
+from model.recommender import HSTURecommender, ModelInputs
 from model.token_layout import TokenLayout, VisitPlan
 
 __all__ = [
     "PRESET_NAMES",
     "CheckpointError",
+    "FullRecompute",
     "HSTUConfig",
     "HSTURecommender",
     "InferenceSession",
-    "StaleKVCacheError",
+    "KVStore",
+    "ModelInputs",
+    "PagedKV",
+    "ScoreRequest",
     "TokenLayout",
     "VisitPlan",
     "VisitResult",

@@ -1,41 +1,62 @@
 """InferenceSession: serve whole visits, incrementally through a KV cache or by full recompute.
 
 A visit:  get_user_kvdata_info -> plan (token layout) -> fetch only the uncached events
-          -> forward (prepare, append, attend, commit) -> offload_kv_cache.
+          -> prepare_kv_cache -> forward -> commit (rollback on any failure) -> offload_kv_cache.
 Without a cache the same visit computes the user's whole window. Both paths plan their
 window with the same pure function of the history end, so they attend over identical
 tokens and their logits agree to round-off.
+
+The session owns the cache transaction; the model only computes through the `PagedKV` it is
+handed. Each prepare states what the session planned against (`expected_cached_lengths`), so a
+cache changed by another caller in between is refused and the visit re-planned, never served
+with a silently restarted window.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from data.batch import VisitBatch
 from data.dataset import InferenceDataset
 from kvcache import KVCacheManager, KVCacheStaleError
-from model.cache_tag import window_tag
+from model.cache_tag import window_tags
 from model.checkpoint import model_fingerprint as fingerprint_of
-from model.recommender import HSTURecommender, StaleKVCacheError
-from model.token_layout import TokenLayout, VisitPlan
+from model.kv_store import PagedKV
+from model.recommender import HSTURecommender
+from model.token_layout import VisitPlan
 
 log = logging.getLogger(__name__)
 
-MAX_PLAN_ATTEMPTS = 3  # data lost between planning and prepare (another caller's eviction) is re-planned
+MAX_PLAN_ATTEMPTS = 3  # a cache changed by another caller between planning and prepare is re-planned
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """An ad-hoc visit: score `candidate_video_ids` for `user_id` at `request_time_ms`, over the
+    user's events strictly before that time."""
+
+    user_id: int
+    request_time_ms: int
+    candidate_video_ids: np.ndarray  # [m] int64
 
 
 @dataclass(frozen=True)
 class VisitResult:
-    request_ids: np.ndarray  # [B]
+    request_ids: np.ndarray  # [B] (-1 for ad-hoc requests)
     user_ids: np.ndarray  # [B]
     history_lengths: np.ndarray  # [B] events in each user's history at the visit (its end)
     candidate_lengths: np.ndarray  # [B]
-    logits: torch.Tensor  # [M, num_tasks] float32 on CPU
-    labels: torch.Tensor  # [M, num_tasks] float32 on CPU
+    logits: torch.Tensor  # [M, num_tasks] float32 on CPU, users in request order
+    labels: torch.Tensor | None  # [M, num_tasks] float32 on CPU (None for ad-hoc requests)
     tokens_computed: int  # history tokens (prefix included) and candidates run through the model
     tokens_reused: int  # history tokens read from the KV cache instead
+
+
+BatchMaker = Callable[[np.ndarray, np.ndarray], VisitBatch]  # (starts, window_starts) -> batch
 
 
 class InferenceSession:
@@ -57,7 +78,6 @@ class InferenceSession:
         self._fingerprint = ""
         if kv_cache is not None:
             self._fingerprint = model_fingerprint or fingerprint_of(model)
-        if kv_cache is not None:
             cfg, kv = model.config, kv_cache.config
             if (kv.num_layers, kv.num_heads, kv.head_dim) != (cfg.num_layers, cfg.num_heads, cfg.head_dim):
                 raise ValueError(
@@ -65,77 +85,151 @@ class InferenceSession:
                     f"not match the model (layers={cfg.num_layers}, heads={cfg.num_heads}, head_dim={cfg.head_dim})"
                 )
 
+    # ------------------------------------------------------------------ entry points
     def serve(self, request_indices: np.ndarray) -> VisitResult:
-        """Score one batch of visits (each of a different user) and update the cache."""
+        """Score one batch of the dataset's visits (each of a different user) and update the cache."""
+        idx = np.asarray(request_indices, dtype=np.int64).reshape(-1)
         requests = self.dataset.requests
-        request_indices = np.asarray(request_indices, dtype=np.int64)
-        user_ids = requests.user_id[request_indices]
-        ends = requests.end[request_indices]
-        if len(np.unique(user_ids)) != len(user_ids):
-            raise ValueError("A batch may hold each user at most once (later visits depend on earlier ones)")
-
-        for attempt in range(1, MAX_PLAN_ATTEMPTS + 1):
-            plan = plan_visits(self.model.layout, self.kv_cache, user_ids, ends)
-            tags = None
-            if self.kv_cache is not None:
-                plan = self._drop_mismatched_tags(plan, user_ids)
-                tags = [self._tag(u, w, e) for u, w, e in zip(user_ids.tolist(), plan.window_starts.tolist(), ends.tolist())]
-            batch = self.dataset.make_batch(request_indices, plan.starts, plan.window_starts).to(self.model.device)
-            try:
-                with torch.inference_mode():
-                    logits = self.model(batch, self.kv_cache, cache_tags=tags)
-                break
-            except (StaleKVCacheError, KVCacheStaleError) as err:
-                if attempt == MAX_PLAN_ATTEMPTS:
-                    raise
-                log.warning("re-planning a visit: %s", err)
-
-        if self.kv_cache is not None and self.offload_between_visits:
-            self.kv_cache.offload_kv_cache(user_ids.tolist())
-
-        spans = self.model.layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
-        return VisitResult(
-            request_ids=requests.request_id[request_indices],
-            user_ids=user_ids,
-            history_lengths=ends,
-            candidate_lengths=batch.candidate_lengths.cpu().numpy(),
-            logits=logits.float().cpu(),
-            labels=batch.labels.cpu(),
-            tokens_computed=int(spans.history_lengths.sum() + batch.candidate_lengths.sum()),
-            tokens_reused=int(spans.expected_cached_lengths.sum()),
+        return self._serve(
+            requests.user_id[idx], requests.end[idx],
+            lambda starts, windows: self.dataset.make_batch(idx, starts, windows),
         )
 
-    def _tag(self, user_id: int, window_start: int, end: int) -> bytes:
-        events = self.dataset.user_events(user_id, window_start, end)
-        return window_tag(self._fingerprint, window_start, self.model.config.num_prefix_tokens, events)
+    def score(self, requests: Sequence[ScoreRequest]) -> VisitResult:
+        """Score ad-hoc requests (each of a different user) over the users' histories at their times.
 
-    def _drop_mismatched_tags(self, plan: VisitPlan, user_ids: np.ndarray) -> VisitPlan:
-        """Continue a cached window only if its tag matches the events it claims to hold."""
-        reusing = np.flatnonzero(plan.starts > plan.window_starts)
-        if len(reusing) == 0:
-            return plan
-        stored = self.kv_cache.get_user_tags(user_ids[reusing].tolist())
-        stale = [i for i, tag in zip(reusing.tolist(), stored)
-                 if tag != self._tag(int(user_ids[i]), int(plan.window_starts[i]), int(plan.starts[i]))]
-        if not stale:
-            return plan
-        self.tag_mismatches += len(stale)
-        log.warning("recomputing %d user(s) whose cached K/V do not match their history", len(stale))
-        self.kv_cache.invalidate_kv_cache(user_ids[stale].tolist())
-        starts = plan.starts.copy()
-        starts[stale] = plan.window_starts[stale]
-        return VisitPlan(plan.window_starts, starts, invalidate=plan.invalidate)
+        Raises a ValueError naming the user and field for an unknown user, a user with no events
+        before the request time, an empty or negative candidate list; nothing changes then.
+        """
+        if not requests:
+            raise ValueError("score() needs at least one request")
+        users = np.array([int(r.user_id) for r in requests], dtype=np.int64)
+        times = np.array([int(r.request_time_ms) for r in requests], dtype=np.int64)
+        candidates = [np.asarray(r.candidate_video_ids, dtype=np.int64).reshape(-1) for r in requests]
+        for r, cands in zip(requests, candidates):
+            if cands.size == 0:
+                raise ValueError(f"user {r.user_id}: candidate_video_ids is empty")
+            if int(cands.min()) < 0:
+                raise ValueError(f"user {r.user_id}: candidate_video_ids contains a negative id ({int(cands.min())})")
+        ends = self.dataset.history_ends(users, times)
+        if not (ends > 0).all():
+            b = int(np.flatnonzero(ends == 0)[0])
+            raise ValueError(f"user {int(users[b])}: no events before request_time_ms={int(times[b])}")
+        lengths = np.array([len(c) for c in candidates], dtype=np.int64)
+        flat = np.concatenate(candidates)
+        return self._serve(
+            users, ends,
+            lambda starts, windows: self.dataset.make_request_batch(users, ends, starts, windows, times, lengths, flat),
+        )
+
+    # ------------------------------------------------------------------ one batch
+    def _serve(self, user_ids: np.ndarray, ends: np.ndarray, make_batch: BatchMaker) -> VisitResult:
+        if len(np.unique(user_ids)) != len(user_ids):
+            raise ValueError("A batch may hold each user at most once (later visits depend on earlier ones)")
+        layout = self.model.layout
+        if self.kv_cache is None:
+            windows = layout.window_start(ends)
+            batch = make_batch(windows, windows)
+            with torch.inference_mode():
+                logits = self.model(batch)
+            reused = 0
+        else:
+            batch, logits, reused = self._serve_cached(user_ids, ends, make_batch)
+            if self.offload_between_visits:
+                self.kv_cache.offload_kv_cache(user_ids.tolist())
+        spans = layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
+        return VisitResult(
+            request_ids=batch.request_ids,
+            user_ids=batch.user_ids,
+            history_lengths=batch.ends,
+            candidate_lengths=batch.candidate_lengths,
+            logits=logits.float().cpu(),
+            labels=None if batch.labels is None else torch.from_numpy(batch.labels),
+            tokens_computed=int(spans.history_lengths.sum() + batch.candidate_lengths.sum()),
+            tokens_reused=reused,
+        )
+
+    def _serve_cached(self, user_ids: np.ndarray, ends: np.ndarray, make_batch: BatchMaker):
+        served = serve_through_cache(self.model, self.kv_cache, user_ids, ends, make_batch, self._tags)
+        self.tag_mismatches += served.tag_mismatches
+        return served.batch, served.logits, served.tokens_reused
+
+    def _tags(self, user_ids: np.ndarray, window_starts: np.ndarray, ends: np.ndarray) -> list[bytes]:
+        return window_tags(
+            self._fingerprint, self.model.config.num_prefix_tokens, self.dataset, user_ids, window_starts, ends
+        )
 
 
-def plan_visits(layout: TokenLayout, kv_cache: KVCacheManager | None, user_ids: np.ndarray, ends: np.ndarray) -> VisitPlan:
-    """What each visit must compute: the whole window without a cache; with one, the events
-    after what the cache holds for this window (a cache holding anything else is dropped)."""
-    if kv_cache is None:
-        windows = layout.window_start(ends)
-        return VisitPlan(windows, windows, invalidate=np.zeros(len(ends), dtype=bool))
-    cached_start, cached_len = kv_cache.get_user_kvdata_info(np.asarray(user_ids).tolist())
-    plan = layout.plan(ends, cached_start.cpu().numpy(), cached_len.cpu().numpy())
-    if plan.invalidate.any():
-        # The window moved on (or the cache holds something else): start it afresh.
-        kv_cache.invalidate_kv_cache(np.asarray(user_ids)[plan.invalidate].tolist())
-    return plan
+TagFn = Callable[[np.ndarray, np.ndarray, np.ndarray], list[bytes]]  # (user_ids, window_starts, ends) -> tags
+
+
+@dataclass(frozen=True)
+class CachedVisits:
+    batch: VisitBatch
+    logits: torch.Tensor  # [M, num_tasks] on the model's device
+    tokens_reused: int
+    tag_mismatches: int
+
+
+def serve_through_cache(
+    model: HSTURecommender,
+    cache: KVCacheManager,
+    user_ids: np.ndarray,
+    ends: np.ndarray,
+    make_batch: BatchMaker,
+    tags: TagFn | None = None,
+) -> CachedVisits:
+    """One batch of visits through the cache: plan, prepare (guarded by what was planned), forward,
+    commit; rollback on any failure; re-plan when another caller changed the cache in between.
+
+    `tags(user_ids, window_starts, ends)` describes the inputs of cached windows: a cached window
+    whose stored tag differs is recomputed (None: tags are neither checked nor stored).
+    """
+    layout, users = model.layout, user_ids.tolist()
+    for attempt in range(1, MAX_PLAN_ATTEMPTS + 1):
+        plan, mismatches = _plan(layout, cache, user_ids, ends, tags)
+        batch = make_batch(plan.starts, plan.window_starts)
+        spans = layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
+        try:
+            meta = cache.prepare_kv_cache(
+                users, spans.start_pos, spans.history_lengths,
+                tags=None if tags is None else tags(user_ids, plan.window_starts, ends),
+                expected_cached_lengths=spans.expected_cached_lengths,
+            )
+        except KVCacheStaleError as err:
+            if attempt == MAX_PLAN_ATTEMPTS:
+                raise
+            log.warning("re-planning a visit: %s", err)
+            continue
+        try:
+            with torch.inference_mode():
+                logits = model(batch, PagedKV(cache.k_cache, cache.v_cache, meta))
+        except BaseException:
+            cache.rollback(meta)
+            raise
+        cache.commit(meta)
+        return CachedVisits(batch, logits, int(spans.expected_cached_lengths.sum()), mismatches)
+    raise AssertionError("unreachable")
+
+
+def _plan(layout, cache: KVCacheManager, user_ids: np.ndarray, ends: np.ndarray, tags: TagFn | None):
+    """What each visit computes: the events after what the cache holds for this window, when the
+    cached data is exactly this window's first tokens (and carries the tag of their events);
+    otherwise the cached data is dropped and the window computed from its start."""
+    cached_start, cached_len = cache.get_user_kvdata_info(user_ids.tolist())
+    plan = layout.plan(ends, cached_start.numpy(), cached_len.numpy())
+    drop = plan.invalidate.copy()
+    reusing = np.flatnonzero(plan.starts > plan.window_starts)
+    mismatches = 0
+    if tags is not None and len(reusing):
+        stored = cache.get_user_tags(user_ids[reusing].tolist())
+        expected = tags(user_ids[reusing], plan.window_starts[reusing], plan.starts[reusing])
+        stale = reusing[[s != e for s, e in zip(stored, expected)]]
+        if len(stale):
+            mismatches = len(stale)
+            log.warning("recomputing %d user(s) whose cached K/V do not match their history", mismatches)
+            drop[stale] = True
+    if drop.any():
+        cache.invalidate_kv_cache(user_ids[drop].tolist())
+        plan = VisitPlan(plan.window_starts, np.where(drop, plan.window_starts, plan.starts), invalidate=drop)
+    return plan, mismatches

@@ -1,30 +1,83 @@
-"""The two `KVStore`s a layer can attend through (see model/hstu.py).
+"""The seam between the model and a KV cache: where a layer's history K/V go and come from.
 
-`WindowKV` is full recompute: the window is exactly the tokens computed now.
-`PagedKV` is incremental serving: new history K/V are appended into the user's pages
-and the whole window (cached + new) is gathered back from them.
+The model never calls the cache manager: it takes a `KVStore`. `FullRecompute` is a visit with
+nothing cached (the window's keys are the rows just computed). `PagedKV` is incremental serving:
+the caller (model/inference.py) prepared the cache for the batch; each layer appends the new
+history K/V into their pages and attention reads every key straight from the page pool.
 """
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
-from kvcache import KVCacheManager, KVCacheMetadata, paged_kvcache_ops
+import numpy as np
+from torch import Tensor
+
+from kvcache import KVCacheMetadata, paged_kvcache_ops
+from model.attention import KeyAddressing
 
 
-class WindowKV:
-    def store_and_load(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class KVStore(Protocol):
+    @property
+    def cached_lengths(self) -> np.ndarray:
+        """[B] tokens already cached before each user's computed history tokens."""
+        ...
+
+    @property
+    def addressing(self) -> KeyAddressing:
+        """How attention finds key position j of user b."""
+        ...
+
+    def host_inputs(self) -> dict[str, np.ndarray]:
+        """Arrays the store needs on the device (packed into the batch's one upload)."""
+        ...
+
+    def layer_kv(
+        self, layer: int, k: Tensor, v: Tensor, num_history_rows: int, device_inputs: Mapping[str, Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """Store the new history K/V (rows [0, num_history_rows) of k/v [T, H, D]) and return the
+        key and value rows attention reads ([R, H, D], indexed by `addressing`)."""
+        ...
+
+
+class FullRecompute:
+    """Nothing cached: every user's window is exactly its history rows of this batch."""
+
+    addressing = KeyAddressing(page_size=0)
+
+    def __init__(self, batch_size: int) -> None:
+        self._cached = np.zeros(batch_size, dtype=np.int64)
+
+    @property
+    def cached_lengths(self) -> np.ndarray:
+        return self._cached
+
+    def host_inputs(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def layer_kv(self, layer, k, v, num_history_rows, device_inputs):
         return k, v
 
 
 class PagedKV:
-    def __init__(self, manager: KVCacheManager, metadata: KVCacheMetadata):
-        self.manager = manager
-        self.metadata = metadata
+    """A prepared batch of a paged KV cache (`KVCacheManager.prepare_kv_cache`'s metadata)."""
 
-    def store_and_load(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k_pages, v_pages = self.manager.k_cache(layer), self.manager.v_cache(layer)
+    def __init__(self, k_cache: Callable[[int], Tensor], v_cache: Callable[[int], Tensor], metadata: KVCacheMetadata):
+        self._k_cache, self._v_cache = k_cache, v_cache
+        self.metadata = metadata
+        self.addressing = KeyAddressing(metadata.page_size, metadata.page_indptr.numpy(), metadata.page_indices.numpy())
+
+    @property
+    def cached_lengths(self) -> np.ndarray:
+        return self.metadata.cached_lengths.numpy()
+
+    def host_inputs(self) -> dict[str, np.ndarray]:
+        return {"kv.new_token_slots": self.metadata.new_token_slots.numpy()}
+
+    def layer_kv(self, layer, k, v, num_history_rows, device_inputs):
+        k_pages, v_pages = self._k_cache(layer), self._v_cache(layer)  # [num_pages, page_size, H, D]
         paged_kvcache_ops.append_kvcache(
-            k_pages, v_pages, k.to(k_pages.dtype), v.to(v_pages.dtype), self.metadata.new_token_slots
+            k_pages, v_pages, k[:num_history_rows].to(k_pages.dtype), v[:num_history_rows].to(v_pages.dtype),
+            device_inputs["kv.new_token_slots"],
         )
-        k_window, v_window = paged_kvcache_ops.gather_kvcache(k_pages, v_pages, self.metadata.kv_slots)
-        return k_window.to(k.dtype), v_window.to(v.dtype)
+        return k_pages.flatten(0, 1), v_pages.flatten(0, 1)  # [num_pages * page_size, H, D]

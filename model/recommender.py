@@ -1,21 +1,41 @@
-"""HSTURecommender: embeddings -> HSTU layers -> multi-task head, with or without a KV cache."""
+"""HSTURecommender: embeddings -> HSTU layers -> multi-task head, over any KV store.
+
+    logits = model(batch)        # full recompute: every user's whole window is in the batch
+    logits = model(batch, kv)    # incremental: the batch carries only what `kv` does not hold
+
+The model knows nothing of cache transactions (prepare, commit, rollback, tags): the caller
+owns them (model/inference.py) and hands the model a prepared `KVStore`. A forward is two
+steps, also callable on their own: `prepare_inputs` plans the batch on the host and moves
+everything the device needs in one copy; `run` is device work only (what the benchmarks time
+and what a CUDA graph captures).
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from data.batch import VisitBatch
-from kvcache import KVCacheManager, KVCacheMetadata
+from model import attention
+from model.attention import BatchAttention, plan_attention
 from model.config import NUM_ACTION_IDS, HSTUConfig
 from model.embeddings import TokenEmbedder
-from model.hstu import AttentionPlan, HSTULayer, KVStore
-from model.kv_store import PagedKV, WindowKV
+from model.features import TokenFeatures, token_features
+from model.hstu import HSTULayer
+from model.kv_store import FullRecompute, KVStore
+from model.staging import DeviceStaging
 from model.token_layout import TokenLayout, TokenSpans
 
 
-class StaleKVCacheError(RuntimeError):
-    """The KV cache no longer holds what the batch was planned against (e.g. evicted from
-    every tier by another caller in between). Nothing was changed; re-plan the visit."""
+@dataclass(frozen=True)
+class ModelInputs:
+    """A planned batch: host-side plans and the device arrays of its one upload."""
+
+    features: TokenFeatures
+    attention: BatchAttention
+    device_inputs: dict[str, Tensor]
 
 
 class HSTURecommender(nn.Module):
@@ -24,7 +44,7 @@ class HSTURecommender(nn.Module):
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.config = config
         self.layout = TokenLayout(config)
-        self.embedder = TokenEmbedder(config, self.layout, device=device)
+        self.embedder = TokenEmbedder(config, device=device)
         self.layers = nn.ModuleList(HSTULayer(config, i) for i in range(config.num_layers))
         self.output_norm = nn.LayerNorm(config.hidden_dim)
         self.head = nn.Sequential(
@@ -32,6 +52,7 @@ class HSTURecommender(nn.Module):
             nn.SiLU(),
             nn.Linear(config.mlp_hidden_dim, config.num_tasks),
         )
+        self._staging: dict[torch.device, DeviceStaging] = {}
         self.to(device)
 
     @property
@@ -42,104 +63,85 @@ class HSTURecommender(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.output_norm.weight.dtype
 
-    def forward(
-        self, batch: VisitBatch, kv_cache: KVCacheManager | None = None, cache_tags: list[bytes] | None = None
-    ) -> torch.Tensor:
-        """Candidate logits [sum candidate_lengths, num_tasks].
+    def forward(self, batch: VisitBatch, kv: KVStore | None = None) -> Tensor:
+        """Candidate logits [sum candidate_lengths, num_tasks] float32.
 
-        Without a cache the batch must carry each user's whole window (starts ==
-        window_starts). With one, it carries only the uncached events: the cache is
-        prepared for the new history tokens, every layer appends their K/V and attends over
-        cached + new, and the cache is committed only if the whole forward succeeds (rolled
-        back and re-raised otherwise). `cache_tags` (one per user, see model/cache_tag.py)
-        are stored with the users' K/V on commit.
+        Without `kv` the batch must carry each user's whole window (starts == window_starts).
+        With one, it carries only the uncached events, and `kv.cached_lengths` must be exactly
+        the tokens of the window before them.
         """
+        return self.run(self.prepare_inputs(batch, kv), kv)
+
+    def prepare_inputs(self, batch: VisitBatch, kv: KVStore | None = None) -> ModelInputs:
+        """Validate and plan the batch on the host, then move its arrays to the device in one copy."""
+        kv = kv if kv is not None else FullRecompute(batch.batch_size)
         spans = self.layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
-        self._validate(batch, spans, cached=kv_cache is not None)
-        x_hist, x_cand = self.embedder(batch, spans)
-        x_hist, x_cand = x_hist.to(self.dtype), x_cand.to(self.dtype)
-        if kv_cache is None:
-            plan = AttentionPlan.from_lengths(spans.history_lengths, batch.candidate_lengths, spans.history_lengths, None)
-            return self.run_layers(x_hist, x_cand, plan, WindowKV())
+        self._validate(batch, spans, kv)
+        features = token_features(self.config, self.layout, batch, spans)
+        plan = plan_attention(spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing)
+        arrays = {**self.embedder.host_inputs(features), **attention.host_inputs(plan), **kv.host_inputs()}
+        device_inputs = self._staging_for(self.device).upload(arrays)
+        return ModelInputs(features, BatchAttention.from_device(plan, device_inputs), device_inputs)
 
-        user_ids = batch.user_ids.tolist()
-        metadata = kv_cache.prepare_kv_cache(user_ids, spans.start_pos, spans.history_lengths, tags=cache_tags)
-        try:
-            _check_cache_matches_plan(metadata, spans, batch, user_ids)
-            plan = AttentionPlan.from_lengths(
-                spans.history_lengths, batch.candidate_lengths, metadata.total_lengths, metadata.cached_lengths
-            )
-            logits = self.run_layers(x_hist, x_cand, plan, PagedKV(kv_cache, metadata))
-        except BaseException:
-            kv_cache.rollback(metadata)
-            raise
-        kv_cache.commit(metadata)
-        return logits
-
-    def run_layers(self, x_hist: torch.Tensor, x_cand: torch.Tensor, plan: AttentionPlan, kv: KVStore) -> torch.Tensor:
-        """The HSTU block and head on token embeddings: what the benchmarks time on its own."""
+    def run(self, inputs: ModelInputs, kv: KVStore | None = None) -> Tensor:
+        """The embeddings, HSTU block and head on a prepared batch: device work only."""
+        kv = kv if kv is not None else FullRecompute(len(inputs.attention.plan.cached_lengths))
+        x = self.embedder(inputs.device_inputs, inputs.features).to(self.dtype)  # [T, d]
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x_hist, x_cand = layer(x_hist, x_cand, plan, kv, history_outputs_needed=i < last)
-        return self.head(self.output_norm(x_cand)).float()  # [M, num_tasks]
+            x = layer(x, inputs.attention, kv, inputs.device_inputs, history_outputs_needed=i < last)
+        return self.head(self.output_norm(x)).float()  # [M, num_tasks]
 
-    def _validate(self, batch: VisitBatch, spans: TokenSpans, cached: bool) -> None:
+    def _staging_for(self, device: torch.device) -> DeviceStaging:
+        if device not in self._staging:
+            self._staging[device] = DeviceStaging(device)
+        return self._staging[device]
+
+    def _validate(self, batch: VisitBatch, spans: TokenSpans, kv: KVStore) -> None:
         """Refuse a malformed batch before any state is touched, naming the user and range."""
         cfg = self.config
-        sizes = {
-            "video_ids": (batch.video_ids.numel(), batch.history_lengths),
-            "candidate_video_ids": (batch.candidate_video_ids.numel(), batch.candidate_lengths),
-        }
-        for name, (numel, lengths) in sizes.items():
-            if numel != int(lengths.sum()):
-                raise ValueError(f"VisitBatch.{name} has {numel} values but its lengths sum to {int(lengths.sum())}")
-        if batch.labels.shape != (batch.candidate_video_ids.numel(), cfg.num_tasks):
+        for name, values, lengths in (("video_ids", batch.video_ids, batch.history_lengths),
+                                      ("candidate_video_ids", batch.candidate_video_ids, batch.candidate_lengths)):
+            if len(values) != int(lengths.sum()):
+                raise ValueError(f"VisitBatch.{name} has {len(values)} values but its lengths sum to {int(lengths.sum())}")
+        if batch.labels is not None and batch.labels.shape != (len(batch.candidate_video_ids), cfg.num_tasks):
             raise ValueError(f"VisitBatch.labels has shape {tuple(batch.labels.shape)}, expected "
-                             f"({batch.candidate_video_ids.numel()}, {cfg.num_tasks})")
-        bad_start = (batch.starts < batch.window_starts) | (batch.history_lengths < 0)
-        if not cached:
-            bad_start |= batch.starts != batch.window_starts
+                             f"({len(batch.candidate_video_ids)}, {cfg.num_tasks})")
+        if len(kv.cached_lengths) != batch.batch_size:
+            raise ValueError(f"The KV store describes {len(kv.cached_lengths)} users, the batch has {batch.batch_size}")
+        outside = (batch.starts < batch.window_starts) | (batch.history_lengths < 0)
+        self._refuse_users(batch, outside, "events outside its window")
+        partial = kv.cached_lengths != spans.expected_cached_lengths
+        what = ("a partial window without a KV cache (full recompute needs starts == window_starts)"
+                if isinstance(kv, FullRecompute) else "events that do not continue what the KV cache holds")
+        self._refuse_users(batch, partial, what)
         window_tokens = spans.expected_cached_lengths + spans.history_lengths
-        too_long = window_tokens > cfg.max_seq_len
-        for mask, what in ((bad_start, "events outside its window" if cached else
-                            "a partial window without a KV cache (full recompute needs starts == window_starts)"),
-                           (too_long, f"a window longer than max_seq_len={cfg.max_seq_len} tokens")):
-            if bool(mask.any()):
-                b = int(torch.nonzero(mask)[0])
-                raise ValueError(
-                    f"User {int(batch.user_ids[b])}: batch carries {what}: window starts at event "
-                    f"{int(batch.window_starts[b])}, events {int(batch.starts[b])} to {int(batch.ends[b]) - 1}"
-                )
-        n_features = len(cfg.user_feature_cardinalities) if cfg.use_contextual_prefix else 0
-        if n_features:
-            if batch.user_features.ndim != 2 or batch.user_features.shape[1] < n_features:
-                raise ValueError(f"VisitBatch.user_features has shape {tuple(batch.user_features.shape)}, "
-                                 f"the model needs {n_features} features per user")
-            limits = torch.tensor(cfg.user_feature_cardinalities, device=batch.user_features.device)
-            bad = (batch.user_features[:, :n_features] < 0) | (batch.user_features[:, :n_features] >= limits)
-            if bool(bad.any()):
-                b, j = (int(i) for i in torch.nonzero(bad)[0])
+        self._refuse_users(batch, window_tokens > cfg.max_seq_len, f"a window longer than max_seq_len={cfg.max_seq_len} tokens")
+        num_features = self.layout.num_prefix
+        if num_features:
+            features = batch.user_features
+            if features.ndim != 2 or features.shape[1] < num_features:
+                raise ValueError(f"VisitBatch.user_features has shape {tuple(features.shape)}, "
+                                 f"the model needs {num_features} features per user")
+            limits = np.asarray(cfg.user_feature_cardinalities)
+            bad = (features[:, :num_features] < 0) | (features[:, :num_features] >= limits)
+            if bad.any():
+                b, j = np.argwhere(bad)[0]
                 raise ValueError(f"User {int(batch.user_ids[b])}: user feature {j} = "
-                                 f"{int(batch.user_features[b, j])} is outside [0, {cfg.user_feature_cardinalities[j]})")
+                                 f"{int(features[b, j])} is outside [0, {cfg.user_feature_cardinalities[j]})")
         for name in ("video_ids", "candidate_video_ids"):
             values = getattr(batch, name)
-            if values.numel() and int(values.min()) < 0:
+            if values.size and int(values.min()) < 0:
                 raise ValueError(f"VisitBatch.{name} contains a negative id")
-        if batch.action_weights.numel() and not bool(((batch.action_weights >= 0) & (batch.action_weights < NUM_ACTION_IDS)).all()):
+        actions = batch.action_weights
+        if actions.size and ((actions < 0) | (actions >= NUM_ACTION_IDS)).any():
             raise ValueError(f"VisitBatch.action_weights must be 8-bit action masks in [0, {NUM_ACTION_IDS})")
 
-
-def _check_cache_matches_plan(
-    metadata: KVCacheMetadata, spans: TokenSpans, batch: VisitBatch, user_ids: list[int]
-) -> None:
-    """The cache must hold exactly the window tokens before the computed ones; a user whose
-    data vanished in between would otherwise be served with a truncated window."""
-    expected_start = batch.window_starts.to(metadata.cached_start_pos.device)
-    expected_len = spans.expected_cached_lengths.to(metadata.cached_lengths.device)
-    bad = (metadata.cached_start_pos != expected_start) | (metadata.cached_lengths != expected_len)
-    if bool(bad.any()):
-        b = int(torch.nonzero(bad)[0])
-        raise StaleKVCacheError(
-            f"User {user_ids[b]}: the KV cache holds {int(metadata.cached_lengths[b])} tokens from position "
-            f"{int(metadata.cached_start_pos[b])}, the batch expected {int(expected_len[b])} from {int(expected_start[b])}"
-        )
+    @staticmethod
+    def _refuse_users(batch: VisitBatch, mask: np.ndarray, what: str) -> None:
+        if mask.any():
+            b = int(np.flatnonzero(mask)[0])
+            raise ValueError(
+                f"User {int(batch.user_ids[b])}: batch carries {what}: window starts at event "
+                f"{int(batch.window_starts[b])}, events {int(batch.starts[b])} to {int(batch.ends[b]) - 1}"
+            )

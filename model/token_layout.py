@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from model.config import HSTUConfig
 
@@ -40,13 +39,13 @@ class VisitPlan:
 
 @dataclass(frozen=True)
 class TokenSpans:
-    """Where the tokens computed for each user of a batch go in the cache ([B] tensors)."""
+    """Where the tokens computed for each user of a batch go in the cache ([B] int64 numpy)."""
 
-    prefix_lengths: torch.Tensor  # C where this visit opens its window, else 0
-    history_lengths: torch.Tensor  # prefix + events computed in this visit
-    start_pos: torch.Tensor  # cache position of the first computed token
-    expected_cached_lengths: torch.Tensor  # tokens the cache must already hold before start_pos
-    candidate_positions: torch.Tensor  # position-embedding id shared by the user's candidates
+    prefix_lengths: np.ndarray  # C where this visit opens its window, else 0
+    history_lengths: np.ndarray  # prefix + events computed in this visit
+    start_pos: np.ndarray  # cache position of the first computed token
+    expected_cached_lengths: np.ndarray  # tokens the cache must already hold before start_pos
+    candidate_positions: np.ndarray  # position-embedding id shared by the user's candidates
 
 
 class TokenLayout:
@@ -95,11 +94,11 @@ class TokenLayout:
         return VisitPlan(windows, starts, invalidate=(cached_lengths > 0) & ~usable)
 
     # ---- positions ------------------------------------------------------------------
-    def spans(self, window_starts: torch.Tensor, starts: torch.Tensor, num_events: torch.Tensor) -> TokenSpans:
+    def spans(self, window_starts: np.ndarray, starts: np.ndarray, num_events: np.ndarray) -> TokenSpans:
         """Token spans for visits computing events [starts, starts + num_events)."""
         opens_window = starts == window_starts
-        prefix = opens_window.to(torch.int64) * self.num_prefix
-        start_pos = torch.where(opens_window, window_starts, starts + self.num_prefix)
+        prefix = opens_window.astype(np.int64) * self.num_prefix
+        start_pos = np.where(opens_window, window_starts, starts + self.num_prefix)
         ends = starts + num_events
         return TokenSpans(
             prefix_lengths=prefix,
@@ -109,6 +108,6 @@ class TokenLayout:
             candidate_positions=self.position_ids(ends),
         )
 
-    def position_ids(self, event_index: torch.Tensor) -> torch.Tensor:
+    def position_ids(self, event_index: np.ndarray) -> np.ndarray:
         """Position-embedding id of event i (also used for candidates, with i = E)."""
-        return torch.clamp(event_index + self.num_prefix, max=self.position_table_size - 1)
+        return np.minimum(event_index + self.num_prefix, self.position_table_size - 1)

@@ -74,7 +74,7 @@ def config_for_dataset(preset_name: str, dataset: InferenceDataset) -> HSTUConfi
 
 def full_window_batch(model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray):
     windows = model.layout.window_start(dataset.requests.end[indices])
-    return dataset.make_batch(indices, windows, windows).to(model.device)
+    return dataset.make_batch(indices, windows, windows)
 
 
 def evaluate(model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray, batch_size: int,
@@ -85,7 +85,7 @@ def evaluate(model: HSTURecommender, dataset: InferenceDataset, indices: np.ndar
         for idx in tqdm(list(dataset.batches(indices, batch_size)), desc=desc, leave=False, file=sys.stderr):
             batch = full_window_batch(model, dataset, idx)
             logits.append(model(batch).cpu())
-            labels.append(batch.labels.cpu())
+            labels.append(torch.from_numpy(batch.labels))
     if not logits:
         return {name: None for name in TASKS}
     return per_task_auc(torch.cat(logits).numpy(), torch.cat(labels).numpy(), TASKS)
@@ -126,7 +126,7 @@ def train(dataset: InferenceDataset, params: TrainParams) -> tuple[HSTURecommend
         for idx in bar:
             batch = full_window_batch(model, dataset, idx)
             logits = model(batch)
-            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(batch.labels).to(logits.device))
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -12,8 +12,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """Every device this machine has: a test taking it runs once per device (cpu, and cuda when present)."""
+    return request.param
+
 
 REDIS_MISSING = "redis-server is not installed (apt-get install redis-server): Redis-tier tests are skipped"
 

@@ -143,48 +143,49 @@ def random_candidates(rng: np.random.Generator, count: int) -> np.ndarray:
 
 
 def make_batch(histories: dict[int, History], visits: list[Visit]) -> VisitBatch:
-    def cat(parts, dtype=torch.int64):
-        return torch.as_tensor(np.concatenate(parts) if parts else np.zeros(0), dtype=dtype)
+    def cat(parts, dtype=np.int64):
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
 
     hists = [histories[v.user_id] for v in visits]
-    prev = []
-    for v, h in zip(visits, hists):
-        prev.append(h.timestamps_ms[v.start - 1] if v.start > 0 else h.timestamps_ms[min(v.start, len(h.timestamps_ms) - 1)])
+    prev = [h.timestamps_ms[v.start - 1] if v.start > 0 else h.timestamps_ms[min(v.start, len(h.timestamps_ms) - 1)]
+            for v, h in zip(visits, hists)]
     request_times = [h.timestamps_ms[v.end - 1] + 60_000 for v, h in zip(visits, hists)]
-    labels = []
-    for v in visits:  # deterministic labels from the candidate ids
-        bits = (v.candidates[:, None] >> np.arange(NUM_TASKS)) & 1
-        labels.append(bits.astype(np.float32))
+    labels = [((v.candidates[:, None] >> np.arange(NUM_TASKS)) & 1).astype(np.float32) for v in visits]
     return VisitBatch(
-        request_ids=torch.arange(len(visits)),
-        user_ids=torch.tensor([v.user_id for v in visits]),
-        request_times_ms=torch.tensor(request_times),
-        window_starts=torch.tensor([v.window_start for v in visits]),
-        starts=torch.tensor([v.start for v in visits]),
-        history_lengths=torch.tensor([v.end - v.start for v in visits]),
-        prev_timestamps_ms=torch.tensor(prev, dtype=torch.int64),
-        user_features=torch.as_tensor(np.stack([h.user_features for h in hists]), dtype=torch.int64),
+        request_ids=np.arange(len(visits), dtype=np.int64),
+        user_ids=np.array([v.user_id for v in visits], dtype=np.int64),
+        request_times_ms=np.array(request_times, dtype=np.int64),
+        window_starts=np.array([v.window_start for v in visits], dtype=np.int64),
+        starts=np.array([v.start for v in visits], dtype=np.int64),
+        history_lengths=np.array([v.end - v.start for v in visits], dtype=np.int64),
+        prev_timestamps_ms=np.array(prev, dtype=np.int64),
+        user_features=np.stack([h.user_features for h in hists]).astype(np.int64),
         video_ids=cat([h.video_ids[v.start:v.end] for v, h in zip(visits, hists)]),
         action_weights=cat([h.action_weights[v.start:v.end] for v, h in zip(visits, hists)]),
         timestamps_ms=cat([h.timestamps_ms[v.start:v.end] for v, h in zip(visits, hists)]),
-        candidate_lengths=torch.tensor([len(v.candidates) for v in visits]),
+        candidate_lengths=np.array([len(v.candidates) for v in visits], dtype=np.int64),
         candidate_video_ids=cat([v.candidates for v in visits]),
-        labels=cat(labels, torch.float32).reshape(-1, NUM_TASKS),
+        labels=cat(labels, np.float32).reshape(-1, NUM_TASKS),
     )
 
 
 def serve(model, kv_cache, histories: dict[int, History], visits: list[Visit]) -> torch.Tensor:
-    """Serve visits as InferenceSession does: plan against the cache (None: full recompute),
-    carry only the events to compute, forward. -> logits [M, num_tasks]"""
-    from model.inference import plan_visits
+    """Serve visits as InferenceSession does (None: full recompute of every window), carrying only
+    the events to compute. -> logits [M, num_tasks]"""
+    from model.inference import serve_through_cache
 
     users = np.array([v.user_id for v in visits])
     ends = np.array([v.end for v in visits])
-    plan = plan_visits(model.layout, kv_cache, users, ends)
-    planned = [Visit(v.user_id, v.end, v.candidates, int(w), int(s))
-               for v, w, s in zip(visits, plan.window_starts, plan.starts)]
-    with torch.inference_mode():
-        return model(make_batch(histories, planned), kv_cache)
+
+    def batch_for(starts, window_starts):
+        return make_batch(histories, [Visit(v.user_id, v.end, v.candidates, int(w), int(s))
+                                      for v, w, s in zip(visits, window_starts, starts)])
+
+    if kv_cache is None:
+        windows = model.layout.window_start(ends)
+        with torch.inference_mode():
+            return model(batch_for(windows, windows))
+    return serve_through_cache(model, kv_cache, users, ends, batch_for).logits
 
 
 def make_cache(config: HSTUConfig, num_pages: int = 256, page_size: int | None = None,
@@ -202,6 +203,26 @@ def assert_logits_close(cached: torch.Tensor, full: torch.Tensor, rel: float = 1
     scale = max(1.0, float(full.abs().max()))
     diff = float((cached - full).abs().max()) if full.numel() else 0.0
     assert diff <= rel * scale, f"max |cached - full| = {diff:.3g} > {rel:g} x scale {scale:.3g}"
+
+
+def dense_hstu_reference(q_hist, q_cand, k_cand, v_cand, k_window, v_window, num_cached, alpha, normalizer):
+    """One user's HSTU attention straight from the math (DESIGN.md section 3), one query row at a time:
+    history rows causal over the window, each candidate over the whole window and itself.
+    -> (history outputs [n, H, D], candidate outputs [m, H, D])"""
+    n, m, T = q_hist.shape[0], q_cand.shape[0], k_window.shape[0]
+    keys, values, queries = torch.cat([k_window, k_cand]), torch.cat([v_window, v_cand]), torch.cat([q_hist, q_cand])
+    outputs = []
+    for i in range(n + m):
+        visible = torch.zeros(T + m, dtype=torch.bool)
+        if i < n:
+            visible[: num_cached + i + 1] = True
+        else:
+            visible[:T] = True
+            visible[T + i - n] = True
+        a = torch.nn.functional.silu(alpha * torch.einsum("hd,khd->hk", queries[i], keys)) / normalizer
+        outputs.append(torch.einsum("hk,khd->hd", a * visible, values))
+    out = torch.stack(outputs) if outputs else queries.new_zeros(0, *queries.shape[1:])
+    return out[:n], out[n:]
 
 
 def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from data import InferenceDataset, VisitBatch, schema
 from data.manifest import Manifest, PreprocessParams
@@ -78,7 +77,7 @@ def test_make_batch_full_chunk(hand_out: Path):
     assert b.prev_timestamps_ms.tolist() == [T + 10 * M, T]  # start == 0: the time of event 0
     assert b.candidate_lengths.tolist() == [2, 2]
     assert b.candidate_video_ids.tolist() == [501, 502, 104, 105]
-    assert b.labels.dtype == torch.float32 and b.labels.shape == (4, 8)
+    assert b.labels.dtype == np.float32 and b.labels.shape == (4, 8)
     #                 click like follow comment forward hate long_view profile_enter
     assert b.labels.tolist() == [
         [0, 0, 1, 0, 0, 0, 0, 0],
@@ -90,8 +89,30 @@ def test_make_batch_full_chunk(hand_out: Path):
     column = schema.CONTEXT_FEATURE_NAMES.index("user_active_degree")
     assert vocab["user_active_degree"] == schema.ACTIVE_DEGREES
     assert b.user_features[:, column].tolist() == [1, 4]  # full_active, low_active
-    assert b.user_features.shape == (2, len(schema.CONTEXT_FEATURES)) and b.user_features.dtype == torch.int64
+    assert b.user_features.shape == (2, len(schema.CONTEXT_FEATURES)) and b.user_features.dtype == np.int64
     assert b.window_starts.tolist() == [0, 0] and b.starts.tolist() == [0, 0]
+
+
+def test_history_at_a_time_and_ad_hoc_request_batches(hand_out: Path):
+    from data.dataset import UnknownUserError
+
+    ds = InferenceDataset(hand_out)
+    # User 7's events are at T, T + M/2, T + M, T + 2M, then the visits from T + 100M on.
+    ends = ds.history_ends(np.array([7, 7, 7, 5]), np.array([T + 100 * M, T + M, T - 1, T + 41 * M]))
+    assert ends.tolist() == [4, 2, 0, 1]  # strictly before the time: the event at T + M is not history yet
+    b = ds.make_request_batch(
+        np.array([7, 5]), ends=np.array([4, 1]), starts=np.array([2, 0]), window_starts=np.array([0, 0]),
+        request_times_ms=np.array([T + 100 * M, T + 41 * M]), candidate_lengths=np.array([1, 2]),
+        candidate_video_ids=np.array([999, 104, 7]),
+    )
+    assert b.request_ids.tolist() == [-1, -1] and b.labels is None
+    assert b.video_ids.tolist() == [102, 103, 500] and b.candidate_video_ids.tolist() == [999, 104, 7]
+    assert b.prev_timestamps_ms.tolist() == [T + M // 2, T + 10 * M]
+    with pytest.raises(UnknownUserError, match="user 6"):
+        ds.history_ends(np.array([7, 6]), np.array([T, T]))
+    with pytest.raises(ValueError, match="user 7: history end 9"):
+        ds.make_request_batch(np.array([7]), np.array([9]), np.array([0]), np.array([0]), np.array([T]),
+                              np.array([1]), np.array([1]))
 
 
 def test_make_batch_serves_the_uncached_suffix(hand_out: Path):
@@ -105,7 +126,7 @@ def test_make_batch_serves_the_uncached_suffix(hand_out: Path):
     assert b.labels[0].tolist() == [1, 1, 0, 0, 0, 0, 0, 1]
     # Everything cached: nothing carried, candidates still served.
     b = ds.make_batch(np.array([2]), starts=np.array([6]), window_starts=np.array([0]))
-    assert b.history_lengths.tolist() == [0] and b.video_ids.numel() == 0
+    assert b.history_lengths.tolist() == [0] and b.video_ids.size == 0
     assert b.prev_timestamps_ms.tolist() == [T + 101 * M] and b.candidate_video_ids.tolist() == [106, 107]
 
 

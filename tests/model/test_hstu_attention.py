@@ -1,50 +1,71 @@
-"""hstu_attention against a dense reference written straight from the math in DESIGN.md §3."""
+"""Batched HSTU attention (model/attention) against a dense per-user reference, paged and contiguous."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-import model.hstu as hstu
+from helpers import dense_hstu_reference
+from model.attention import BatchAttention, attend, host_inputs
+from model.attention.plan import KeyAddressing, plan_attention
 
-
-def reference(q_hist, q_cand, k_cand, v_cand, k_window, v_window, num_cached, alpha, normalizer):
-    """Dense attention over [window | candidates] with the M-FALCON mask, one query row at a time."""
-    n, m, T = q_hist.shape[0], q_cand.shape[0], k_window.shape[0]
-    keys = torch.cat([k_window, k_cand])  # [T + m, H, D]
-    values = torch.cat([v_window, v_cand])
-    queries = torch.cat([q_hist, q_cand])
-    outputs = []
-    for i in range(n + m):
-        visible = torch.zeros(T + m, dtype=torch.bool)
-        if i < n:
-            visible[: num_cached + i + 1] = True  # history: causal over the window
-        else:
-            visible[:T] = True  # candidate: all history ...
-            visible[T + i - n] = True  # ... and itself, never another candidate
-        a = F.silu(alpha * torch.einsum("hd,khd->hk", queries[i], keys)) / normalizer  # [H, T + m]
-        a = a * visible
-        outputs.append(torch.einsum("hk,khd->hd", a, values))
-    out = torch.stack(outputs)
-    return out[:n], out[n:]
+H, D, ALPHA, N = 2, 8, 0.3, 64.0
 
 
-@pytest.mark.parametrize("num_cached, n, m, tile", [
-    (0, 1, 1, 1024), (0, 37, 5, 8), (20, 13, 3, 4), (50, 0, 4, 8), (3, 16, 0, 4), (9, 40, 7, 1024), (0, 9, 2, 3),
-])
-def test_matches_dense_reference(monkeypatch, num_cached, n, m, tile):
-    monkeypatch.setattr(hstu, "QUERY_TILE", tile)
-    torch.manual_seed(n * 31 + m)
-    H, D = 2, 8
-    t = lambda rows: torch.randn(rows, H, D, dtype=torch.float64)
-    q_hist, q_cand, k_cand, v_cand = t(n), t(m), t(m), t(m)
-    k_window, v_window = t(num_cached + n), t(num_cached + n)
-    args = (q_cand, k_cand, v_cand, k_window, v_window, num_cached, 0.3, 64.0)
-    out_hist, out_cand = hstu.hstu_attention(q_hist, *args)
-    ref_hist, ref_cand = reference(q_hist, *args)
-    torch.testing.assert_close(out_hist, ref_hist)
-    torch.testing.assert_close(out_cand, ref_cand)
-    # Without history outputs (the last layer) the candidates are unchanged.
-    none_hist, cand_only = hstu.hstu_attention(None, *args)
-    assert none_hist is None
-    torch.testing.assert_close(cand_only, ref_cand)
+def _batch(rng, cached, new, cands, page_size, dtype=torch.float64):
+    """Random q/k/v rows and, when page_size > 0, a shuffled page pool holding every user's window."""
+    B = len(cached)
+    n_hist, M = sum(new), sum(cands)
+    t = lambda rows: torch.randn(rows, H, D, dtype=dtype)
+    q, k, v = t(n_hist + M), t(n_hist + M), t(n_hist + M)
+    windows = [(t(c), t(c)) for c in cached]  # the cached part of each user's window
+    hist_off = np.concatenate([[0], np.cumsum(new)])
+    if page_size == 0:
+        assert not any(cached)
+        return q, k, v, windows, KeyAddressing(0), k, v
+    pages_needed = [-(-(c + n) // page_size) for c, n in zip(cached, new)]
+    num_pages = sum(pages_needed) + 3
+    order = rng.permutation(num_pages)[: sum(pages_needed)]  # non-contiguous, shuffled pages
+    indptr = np.concatenate([[0], np.cumsum(pages_needed)]).astype(np.int64)
+    pool_k = torch.full((num_pages * page_size, H, D), float("nan"), dtype=dtype)  # unused slots poison
+    pool_v = pool_k.clone()
+    for b in range(B):
+        window_k = torch.cat([windows[b][0], k[hist_off[b]:hist_off[b + 1]]])
+        window_v = torch.cat([windows[b][1], v[hist_off[b]:hist_off[b + 1]]])
+        for j in range(len(window_k)):
+            slot = order[indptr[b] + j // page_size] * page_size + j % page_size
+            pool_k[slot], pool_v[slot] = window_k[j], window_v[j]
+    return q, k, v, windows, KeyAddressing(page_size, indptr, order.astype(np.int64)), pool_k, pool_v
+
+
+@pytest.mark.parametrize("page_size", [0, 1, 4, 16])
+@pytest.mark.parametrize("query_block, key_block", [(4, 8), (128, 256), (3, 5)])
+def test_batched_attention_matches_the_dense_reference(page_size, query_block, key_block):
+    rng = np.random.default_rng(page_size * 7 + query_block)
+    torch.manual_seed(query_block)
+    cached = [0] * 5 if page_size == 0 else [0, 20, 50, 3, 9]
+    new, cands = [1, 13, 0, 16, 40], [1, 3, 4, 0, 7]  # no new events; no candidates
+    q, k, v, windows, addressing, keys, values = _batch(rng, cached, new, cands, page_size)
+    plan = plan_attention(np.array(new), np.array(cands), np.array(cached), addressing, query_block, key_block)
+    attention = BatchAttention.from_device(plan, {name: torch.from_numpy(a) for name, a in host_inputs(plan).items()})
+    out = attend(q, k, v, keys, values, attention, candidates_only=False, alpha=ALPHA, normalizer=N)
+    cand_only = attend(q, k, v, keys, values, attention, candidates_only=True, alpha=ALPHA, normalizer=N)
+
+    n_hist, hist_off, cand_off = sum(new), np.cumsum([0, *new]), np.cumsum([0, *cands])
+    for b in range(len(new)):
+        h, c = slice(hist_off[b], hist_off[b + 1]), slice(n_hist + cand_off[b], n_hist + cand_off[b + 1])
+        ref_hist, ref_cand = dense_hstu_reference(
+            q[h], q[c], k[c], v[c], torch.cat([windows[b][0], k[h]]), torch.cat([windows[b][1], v[h]]),
+            cached[b], ALPHA, N,
+        )
+        torch.testing.assert_close(out[h], ref_hist)
+        torch.testing.assert_close(out[c], ref_cand)
+        torch.testing.assert_close(cand_only[c], ref_cand)
+    assert not out.isnan().any()  # padding never reads an unused (NaN) page slot into a sum
+
+
+def test_masked_blocks_are_never_visited():
+    """Causal history: a query block's pairs reach only to its last row's keys."""
+    plan = plan_attention(np.array([64]), np.array([0]), np.array([0]), KeyAddressing(0), query_block=16, key_block=16)
+    assert plan.all_rows.num_pairs == 1 + 2 + 3 + 4  # the lower triangle of 4 x 4 blocks
+    assert plan.candidate_rows.num_pairs == 0

@@ -135,3 +135,47 @@ def test_bf16_session_close_to_fp32(setup, dtype):
     cached = replay(InferenceSession(low, dataset, kv_cache=make_cache(cfg, dtype=dtype)), dataset, indices)
     for c, f in zip(cached, full):
         assert_logits_close(c.logits, f.logits, rel=5e-2)
+
+
+def _score_requests_for(dataset, indices):
+    """The dataset's visits as ad-hoc requests: user, request time and the same candidates."""
+    from model.inference import ScoreRequest
+
+    req, out = dataset.requests, []
+    for i in indices:
+        batch = dataset.make_batch(np.array([i]), np.array([0]), np.array([0]))
+        out.append(ScoreRequest(int(req.user_id[i]), int(req.time_ms[i]), batch.candidate_video_ids))
+    return out
+
+
+def test_score_equals_serve_for_the_same_visits_cached_and_full(setup):
+    dataset, cfg, model = setup
+    indices = dataset.request_indices(max_requests=60)
+    batches = list(dataset.batches(indices, 4))
+    served = replay(InferenceSession(model, dataset, kv_cache=make_cache(cfg, num_pages=256)), dataset, indices)
+    for session in (InferenceSession(model, dataset, kv_cache=make_cache(cfg, num_pages=256)),
+                    InferenceSession(model, dataset)):
+        for batch, expected in zip(batches, served):
+            scored = session.score(_score_requests_for(dataset, batch))
+            assert np.array_equal(scored.user_ids, expected.user_ids)
+            assert np.array_equal(scored.history_lengths, expected.history_lengths)
+            assert scored.labels is None and (scored.request_ids == -1).all()
+            assert_logits_close(scored.logits, expected.logits)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r.__class__(10**9, r.request_time_ms, r.candidate_video_ids), "user 1000000000 has no events"),
+    (lambda r: r.__class__(r.user_id, 0, r.candidate_video_ids), "no events before request_time_ms=0"),
+    (lambda r: r.__class__(r.user_id, r.request_time_ms, np.array([], dtype=np.int64)), "candidate_video_ids is empty"),
+    (lambda r: r.__class__(r.user_id, r.request_time_ms, np.array([3, -2])), "negative id"),
+])
+def test_bad_score_requests_are_refused_and_change_nothing(setup, change, message):
+    dataset, cfg, model = setup
+    cache = make_cache(cfg, num_pages=256)
+    session = InferenceSession(model, dataset, kv_cache=cache)
+    good = _score_requests_for(dataset, dataset.request_indices(max_requests=3))
+    session.score(good[:1])
+    before = cache.stats()
+    with pytest.raises(ValueError, match=message):
+        session.score([good[1], change(good[2])])
+    assert cache.stats() == before

@@ -127,10 +127,11 @@ def test_corrupted_cache_is_caught_by_parity():
         assert_logits_close(serve(model, cache, histories, visits), serve(model, None, histories, visits))
 
 
-def test_parity_when_attention_runs_in_many_query_tiles(monkeypatch):
-    import model.hstu as hstu
+def test_parity_when_attention_runs_in_many_blocks(monkeypatch):
+    import model.attention.plan as plan
 
-    monkeypatch.setattr(hstu, "QUERY_TILE", 8)  # full recompute now spans many tiles, visits few
+    monkeypatch.setattr(plan, "QUERY_BLOCK", 8)  # full recompute now spans many blocks, visits few
+    monkeypatch.setattr(plan, "KEY_BLOCK", 4)
     cfg = tiny_config()
     model = sensitive_model(cfg, 5)
     rng = np.random.default_rng(5)

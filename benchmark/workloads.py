@@ -1,0 +1,47 @@
+"""Synthetic visit batches for the benchmarks: B users with random histories of a given length.
+
+`visit_batches` returns the same visits twice: carrying every event of each user's window (full
+recompute), and carrying only the last `new` events (the rest is in the KV cache). Ids are random
+within the model's tables; timestamps are one minute apart; no contextual prefix is needed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from data.batch import VisitBatch
+from model.config import HSTUConfig
+
+T0_MS = 1_649_376_000_000
+
+
+def visit_batches(config: HSTUConfig, batch: int, history: int, new: int, candidates: int, seed: int = 0
+                  ) -> tuple[VisitBatch, VisitBatch]:
+    """-> (full: events [0, history) of every user, incremental: events [history - new, history))."""
+    rng = np.random.default_rng(seed)
+    videos = rng.integers(0, 10 * config.video_hash_size, size=(batch, history))
+    actions = rng.integers(0, 256, size=(batch, history))
+    times = T0_MS + 60_000 * np.arange(history)[None, :].repeat(batch, 0)
+    cands = rng.integers(0, 10 * config.video_hash_size, size=batch * candidates)
+    num_features = len(config.user_feature_cardinalities)
+    features = np.stack([rng.integers(0, c, size=batch) for c in config.user_feature_cardinalities], 1) \
+        if num_features else np.zeros((batch, 0), dtype=np.int64)
+
+    def carrying(start: int) -> VisitBatch:
+        return VisitBatch(
+            request_ids=np.arange(batch, dtype=np.int64),
+            user_ids=np.arange(batch, dtype=np.int64),
+            request_times_ms=times[:, -1] + 60_000,
+            window_starts=np.zeros(batch, dtype=np.int64),
+            starts=np.full(batch, start, dtype=np.int64),
+            history_lengths=np.full(batch, history - start, dtype=np.int64),
+            prev_timestamps_ms=times[:, max(start - 1, 0)].copy(),
+            user_features=features.astype(np.int64),
+            video_ids=videos[:, start:].reshape(-1).astype(np.int64),
+            action_weights=actions[:, start:].reshape(-1).astype(np.int64),
+            timestamps_ms=times[:, start:].reshape(-1).astype(np.int64),
+            candidate_lengths=np.full(batch, candidates, dtype=np.int64),
+            candidate_video_ids=cands.astype(np.int64),
+            labels=None,
+        )
+
+    return carrying(0), carrying(history - new)

@@ -1,0 +1,149 @@
+"""Where every query and key of a batch lives, planned once per batch on the host (numpy).
+
+Rows of the layer's q/k/v [T, H, D]: first the new history rows of every user (user b has n_b
+at `history_offsets[b]`), then the candidate rows (m_b at `n_hist + candidate_offsets[b]`).
+User b's keys are positions 0 .. L_b - 1 of its window, L_b = c_b + n_b: c_b cached tokens and
+its new history tokens, read either from the paged KV cache (after the new ones were appended)
+or, with nothing cached, straight from its history rows of k/v (contiguous).
+
+Query i of user b's query sequence [history rows | candidates] sees keys j < key_end:
+history row i sees j <= c_b + i (causal); every candidate sees the whole window, j < L_b
+(plus itself, added by the kernels; never another candidate).
+
+The work is cut into (query block, key block) pairs; a pair exists only if some query of the
+block sees some key of the block, so masked-out blocks above the diagonal are never visited.
+A schedule exists for all query rows and for candidates only (the last layer needs no
+history outputs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from data.jagged import offsets, row_ids_and_ranks
+
+QUERY_BLOCK = 128
+KEY_BLOCK = 256
+NO_KEY = np.iinfo(np.int64).max  # key position of a padding slot: above every query's key_end
+
+
+@dataclass(frozen=True)
+class KeyAddressing:
+    """How key position j of user b maps to a row of the key/value tensor attention reads."""
+
+    page_size: int  # 0: contiguous (key j of user b is history row history_offsets[b] + j)
+    page_indptr: np.ndarray | None = None  # [B + 1] paged: user b's pages are page_indices[indptr[b]:indptr[b+1]]
+    page_indices: np.ndarray | None = None  # [sum pages]
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+    def rows(self, user: np.ndarray, pos: np.ndarray, history_offsets: np.ndarray) -> np.ndarray:
+        """Key rows of positions `pos` of users `user` (same shape); positions must be valid."""
+        if not self.paged:
+            return history_offsets[user] + pos
+        pages = self.page_indices[self.page_indptr[user] + pos // self.page_size]
+        return pages.astype(np.int64) * self.page_size + pos % self.page_size
+
+
+@dataclass(frozen=True)
+class BlockSchedule:
+    """(query block, key block) pairs, P of them, with everything a batched kernel needs ([P, ...] int64)."""
+
+    query_rows: np.ndarray  # [P, query_block] row of q, or T (a padding row) past the block's end
+    query_key_end: np.ndarray  # [P, query_block] keys j < key_end are seen (0 for padding)
+    key_rows: np.ndarray  # [P, key_block] row of the key/value tensor (the user's key 0 for padding)
+    key_positions: np.ndarray  # [P, key_block] key position j, NO_KEY for padding
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self.query_rows)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    history_lengths: np.ndarray  # [B] n_b
+    candidate_lengths: np.ndarray  # [B] m_b
+    cached_lengths: np.ndarray  # [B] c_b
+    history_offsets: np.ndarray  # [B + 1]
+    candidate_offsets: np.ndarray  # [B + 1]
+    addressing: KeyAddressing
+    all_rows: BlockSchedule
+    candidate_rows: BlockSchedule
+
+    @property
+    def num_history_rows(self) -> int:
+        return int(self.history_offsets[-1])
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_history_rows + int(self.candidate_offsets[-1])
+
+
+def plan_attention(
+    history_lengths: np.ndarray,
+    candidate_lengths: np.ndarray,
+    cached_lengths: np.ndarray,
+    addressing: KeyAddressing,
+    query_block: int | None = None,
+    key_block: int | None = None,
+) -> AttentionPlan:
+    n = np.asarray(history_lengths, dtype=np.int64)
+    m = np.asarray(candidate_lengths, dtype=np.int64)
+    c = np.asarray(cached_lengths, dtype=np.int64)
+    history_offsets, candidate_offsets = offsets(n), offsets(m)
+    schedule = _Scheduler(
+        n, m, c, history_offsets, candidate_offsets, addressing, query_block or QUERY_BLOCK, key_block or KEY_BLOCK
+    )
+    return AttentionPlan(
+        n, m, c, history_offsets, candidate_offsets, addressing,
+        all_rows=schedule.blocks(first_row=np.zeros_like(n)),
+        candidate_rows=schedule.blocks(first_row=n),
+    )
+
+
+class _Scheduler:
+    def __init__(self, n, m, c, history_offsets, candidate_offsets, addressing: KeyAddressing, qb: int, kb: int) -> None:
+        self.n, self.m, self.c = n, m, c
+        self.qb, self.kb = qb, kb
+        self.history_offsets, self.candidate_offsets = history_offsets, candidate_offsets
+        self.addressing = addressing
+        self.n_hist = int(history_offsets[-1])
+        self.num_rows = self.n_hist + int(candidate_offsets[-1])
+
+    def key_end(self, user: np.ndarray, row: np.ndarray) -> np.ndarray:
+        """Keys seen by query row `row` (of its user's query sequence): j < key_end."""
+        n, c = self.n[user], self.c[user]
+        return np.where(row < n, c + row + 1, c + n)
+
+    def blocks(self, first_row: np.ndarray) -> BlockSchedule:
+        """The pairs for query rows first_row[b] .. n_b + m_b - 1 of every user b."""
+        seq_len = self.n + self.m
+        rows_per_user = np.maximum(seq_len - first_row, 0)
+        q_user, q_rank = row_ids_and_ranks(-(-rows_per_user // self.qb))
+        block_first = first_row[q_user] + q_rank * self.qb
+        block_last = np.minimum(block_first + self.qb, seq_len[q_user]) - 1
+        keys_seen = self.key_end(q_user, block_last)  # the block's last row sees the most keys
+        pair_block, k_rank = row_ids_and_ranks(-(-keys_seen // self.kb))
+        user = q_user[pair_block]
+
+        row = block_first[pair_block, None] + np.arange(self.qb)  # [P, QB]
+        valid_row = row < seq_len[user, None]
+        is_history = row < self.n[user, None]
+        q_rows = np.where(
+            is_history,
+            self.history_offsets[user, None] + row,
+            self.n_hist + self.candidate_offsets[user, None] + row - self.n[user, None],
+        )
+        q_rows = np.where(valid_row, q_rows, self.num_rows)
+        q_key_end = np.where(valid_row, self.key_end(user[:, None], row), 0)
+
+        pos = k_rank[:, None] * self.kb + np.arange(self.kb)  # [P, KB]
+        valid_key = pos < (self.c + self.n)[user, None]
+        # A padding slot reads the user's key 0 (a pair exists only if the user has keys): real data,
+        # never an unwritten slot, so a masked score times its value is exactly 0.
+        users = np.broadcast_to(user[:, None], pos.shape)
+        k_rows = self.addressing.rows(users, np.where(valid_key, pos, 0), self.history_offsets)
+        return BlockSchedule(q_rows, q_key_end, k_rows, np.where(valid_key, pos, NO_KEY))

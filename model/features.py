@@ -1,0 +1,94 @@
+"""Token features of a batch, computed on the host: every sparse id the embedder looks up, and
+the row each token takes in the layer input.
+
+    event token     = E_video[hash(video)] + E_action[action bits] + E_gap[bucket(t_i - t_{i-1})]
+                      + E_hour[hour(t_i)] + E_position[layout position]
+    candidate token = same, with the action replaced by the learned UNKNOWN_ACTION_ID vector,
+                      t_i the request time and t_{i-1} the user's last event
+    prefix token j  = E_user_feature_j[value_j]            (the contextual prefix)
+
+All of them depend only on the token's own event (and the one before it), never on the
+batch or on the current time, which is what keeps cached K/V valid.
+
+Row layout of the layer input x [T, d]: first the history tokens of every user in batch order
+(each user's prefix, if this visit opens its window, then its computed events), then the
+candidates of every user in batch order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from data.batch import VisitBatch
+from data.jagged import offsets, row_ids_and_ranks
+from model.config import UNKNOWN_ACTION_ID, HSTUConfig
+from model.token_layout import TokenLayout, TokenSpans
+
+TOKEN_FEATURES = ("video_id", "action", "time_gap", "hour", "position")
+MS_PER_HOUR = 3_600_000
+UTC_OFFSET_HOURS = 8  # KuaiRand timestamps are Beijing time
+GAP_BUCKETS_PER_OCTAVE = 3  # time-gap buckets are log2-spaced, 3 per doubling of seconds
+
+
+def hour_of_day(timestamps_ms: np.ndarray) -> np.ndarray:
+    return (np.floor_divide(timestamps_ms, MS_PER_HOUR) + UTC_OFFSET_HOURS) % 24
+
+
+def time_gap_bucket(gap_ms: np.ndarray, num_buckets: int) -> np.ndarray:
+    seconds = np.maximum(gap_ms, 0).astype(np.float64) / 1000.0
+    bucket = np.floor(GAP_BUCKETS_PER_OCTAVE * np.log2(1.0 + seconds)).astype(np.int64)
+    return np.minimum(bucket, num_buckets - 1)
+
+
+@dataclass(frozen=True)
+class TokenFeatures:
+    """A batch's sparse ids and token rows (host int64). N events, M candidates, P users opening a window."""
+
+    token_ids: dict[str, np.ndarray]  # TOKEN_FEATURES name -> [N + M] ids: events (users in order), then candidates
+    token_rows: np.ndarray  # [N + M] row of each event / candidate token in x
+    prefix_ids: np.ndarray  # [P, C] user-feature ids of the users whose visit opens their window
+    prefix_rows: np.ndarray  # [P, C] rows of their prefix tokens in x
+    num_history_tokens: int  # rows of x that are history tokens (prefixes + events)
+    num_rows: int  # T = history tokens + candidates
+
+
+def token_features(config: HSTUConfig, layout: TokenLayout, batch: VisitBatch, spans: TokenSpans) -> TokenFeatures:
+    n_cands = len(batch.candidate_video_ids)
+    event_rows, event_ranks = row_ids_and_ranks(batch.history_lengths)
+    cand_rows, _ = row_ids_and_ranks(batch.candidate_lengths)
+
+    # Time of the event before each computed event; for a user's first carried event it is
+    # batch.prev_timestamps_ms. [N]
+    prev_times = np.roll(batch.timestamps_ms, 1)
+    first = event_ranks == 0
+    prev_times[first] = batch.prev_timestamps_ms[event_rows[first]]
+    # The user's last event before the candidates. [B]
+    event_ends = offsets(batch.history_lengths)[1:]
+    last_event = batch.prev_timestamps_ms.copy()
+    has_events = batch.history_lengths > 0
+    last_event[has_events] = batch.timestamps_ms[event_ends[has_events] - 1]
+    request_times = batch.request_times_ms[cand_rows]
+
+    ids = {
+        "video_id": (np.remainder(batch.video_ids, config.video_hash_size),
+                     np.remainder(batch.candidate_video_ids, config.video_hash_size)),
+        "action": (batch.action_weights, np.full(n_cands, UNKNOWN_ACTION_ID, dtype=np.int64)),
+        "time_gap": (time_gap_bucket(batch.timestamps_ms - prev_times, config.num_time_gap_buckets),
+                     time_gap_bucket(request_times - last_event[cand_rows], config.num_time_gap_buckets)),
+        "hour": (hour_of_day(batch.timestamps_ms), hour_of_day(request_times)),
+        "position": (layout.position_ids(batch.starts[event_rows] + event_ranks), spans.candidate_positions[cand_rows]),
+    }
+    history_starts = offsets(spans.history_lengths)  # [B + 1]
+    n_hist = int(history_starts[-1])
+    event_token_rows = history_starts[event_rows] + spans.prefix_lengths[event_rows] + event_ranks
+    opening = np.flatnonzero(spans.prefix_lengths > 0)  # [P]
+    num_prefix = layout.num_prefix
+    return TokenFeatures(
+        token_ids={name: np.concatenate(parts).astype(np.int64, copy=False) for name, parts in ids.items()},
+        token_rows=np.concatenate([event_token_rows, n_hist + np.arange(n_cands, dtype=np.int64)]),
+        prefix_ids=np.ascontiguousarray(batch.user_features[opening, :num_prefix], dtype=np.int64),
+        prefix_rows=history_starts[opening, None] + np.arange(num_prefix, dtype=np.int64),
+        num_history_tokens=n_hist,
+        num_rows=n_hist + n_cands,
+    )
