@@ -13,7 +13,7 @@ from torch import Tensor
 from model.attention.blocked import blocked_hstu_attention
 from model.attention.plan import AttentionPlan, BlockSchedule, KeyAddressing, plan_attention
 
-_SCHEDULE_FIELDS = ("query_rows", "query_key_end", "key_rows", "key_positions")
+_SCHEDULE_FIELDS = ("block_rows", "block_key_end", "pair_blocks", "key_rows", "key_positions", "row_source")
 _SCHEDULES = {"all": "all_rows", "candidates": "candidate_rows"}
 
 
@@ -49,7 +49,7 @@ def attend(
     prefix = "candidates" if candidates_only else "all"
     schedule: BlockSchedule = getattr(attention.plan, _SCHEDULES[prefix])
     return blocked_hstu_attention(
-        q, k, v, keys, values, attention.schedules[prefix], schedule.num_pairs,
+        q, k, v, keys, values, attention.schedules[prefix], schedule.num_blocks, schedule.num_pairs,
         attention.plan.num_history_rows, alpha, normalizer,
     )
 

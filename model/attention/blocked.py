@@ -20,33 +20,44 @@ def blocked_hstu_attention(
     v: Tensor,  # [T, H, D]
     keys: Tensor,  # [R, H, D] rows the schedule's key_rows index (the KV pages, or k itself)
     values: Tensor,  # [R, H, D]
-    schedule: dict[str, Tensor],  # query_rows, query_key_end, key_rows, key_positions on q's device
+    schedule: dict[str, Tensor],  # the BlockSchedule's arrays on q's device
+    num_blocks: int,
     num_pairs: int,
     num_history_rows: int,
     alpha: float,
     normalizer: float,
 ) -> Tensor:
-    """-> [T, H, D]: rows the schedule covers hold their attention output (others are 0)."""
-    T, H, D = q.shape
+    """-> [T, H, D]: rows the schedule covers hold their attention output (others are 0).
+
+    Pairs are gathered and multiplied in chunks; each pair's output is added into its query
+    block (a few large slices), and every row then gathers its output from its block.
+    """
+    _, H, D = q.shape
     acc_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    query_block, key_block = schedule["block_rows"].shape[1], schedule["key_rows"].shape[1]
     q_padded = torch.cat([q, q.new_zeros(1, H, D)])  # row T: what padding query slots read
-    out = torch.zeros(T + 1, H, D, dtype=acc_dtype, device=q.device)
-    query_block, key_block = schedule["query_rows"].shape[1], schedule["key_rows"].shape[1]
+    q_blocks = q_padded.index_select(0, schedule["block_rows"].reshape(-1)).view(num_blocks, query_block, H, D)
+    q_blocks = q_blocks.transpose(1, 2)  # [Q, H, QB, D]
+    block_out = torch.zeros(num_blocks, H, query_block, D, dtype=acc_dtype, device=q.device)
     pairs_per_chunk = max(1, MAX_SCORE_ELEMENTS // (H * query_block * key_block))
     grad = torch.is_grad_enabled()
     for first in range(0, num_pairs, pairs_per_chunk):
         chunk = slice(first, first + pairs_per_chunk)
-        query_rows = schedule["query_rows"][chunk]  # [p, QB]
-        key_rows = schedule["key_rows"][chunk]  # [p, KB]
-        q_blocks = q_padded[query_rows]  # [p, QB, H, D]
-        k_blocks = keys[key_rows].to(q.dtype)  # [p, KB, H, D]
-        v_blocks = values[key_rows].to(q.dtype)
-        scores = F.silu(torch.einsum("pqhd,pkhd->phqk", q_blocks, k_blocks) * alpha, inplace=not grad)
-        seen = schedule["key_positions"][chunk][:, None, :] < schedule["query_key_end"][chunk][:, :, None]  # [p, QB, KB]
-        scores = scores.masked_fill(~seen[:, None], 0.0) if grad else scores.masked_fill_(~seen[:, None], 0.0)
-        block_out = torch.einsum("phqk,pkhd->pqhd", scores, v_blocks)  # [p, QB, H, D]
-        out = out.index_add(0, query_rows.reshape(-1), block_out.reshape(-1, H, D).to(acc_dtype))
-    out = out[:T]
+        blocks = schedule["pair_blocks"][chunk]  # [p]
+        key_rows = schedule["key_rows"][chunk].reshape(-1)
+        p = len(key_rows) // key_block
+        k_pairs = keys.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype).permute(0, 2, 3, 1)  # [p, H, D, KB]
+        v_pairs = values.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype).transpose(1, 2)  # [p, H, KB, D]
+        scores = torch.matmul(q_blocks.index_select(0, blocks), k_pairs) * alpha  # [p, H, QB, KB]
+        scores = F.silu(scores, inplace=not grad)
+        key_end = schedule["block_key_end"].index_select(0, blocks)  # [p, QB]
+        hidden = (schedule["key_positions"][chunk][:, None, :] >= key_end[:, :, None])[:, None]  # [p, 1, QB, KB]
+        scores = scores.masked_fill(hidden, 0.0) if grad else scores.masked_fill_(hidden, 0.0)
+        pair_out = torch.matmul(scores, v_pairs).to(acc_dtype)  # [p, H, QB, D]
+        block_out = block_out.index_add(0, blocks, pair_out) if grad else block_out.index_add_(0, blocks, pair_out)
+    slots = block_out.transpose(1, 2).reshape(num_blocks * query_block, H, D)
+    slots = torch.cat([slots, slots.new_zeros(1, H, D)])  # the slot of rows no block covers
+    out = slots.index_select(0, schedule["row_source"])  # [T, H, D]
     # M-FALCON: each candidate also sees itself, and no other candidate (never in the key rows).
     q_c, k_c, v_c = q[num_history_rows:], k[num_history_rows:], v[num_history_rows:]
     self_score = F.silu(alpha * (q_c * k_c).sum(-1, keepdim=True))  # [M, H, 1]

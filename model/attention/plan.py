@@ -50,16 +50,27 @@ class KeyAddressing:
 
 @dataclass(frozen=True)
 class BlockSchedule:
-    """(query block, key block) pairs, P of them, with everything a batched kernel needs ([P, ...] int64)."""
+    """Q query blocks of `query_block` rows and P (query block, key block) pairs ([..] int64).
 
-    query_rows: np.ndarray  # [P, query_block] row of q, or T (a padding row) past the block's end
-    query_key_end: np.ndarray  # [P, query_block] keys j < key_end are seen (0 for padding)
+    Every query row of the schedule lies in exactly one query block; `row_source` finds it there.
+    """
+
+    block_users: np.ndarray  # [Q] the user of each query block
+    block_first_row: np.ndarray  # [Q] its first row in the user's query sequence [history | candidates]
+    block_rows: np.ndarray  # [Q, query_block] row of q, or T (a padding row) past the block's end
+    block_key_end: np.ndarray  # [Q, query_block] keys j < key_end are seen (0 for padding)
+    pair_blocks: np.ndarray  # [P] the query block of each pair (pairs of a block are consecutive)
     key_rows: np.ndarray  # [P, key_block] row of the key/value tensor (the user's key 0 for padding)
     key_positions: np.ndarray  # [P, key_block] key position j, NO_KEY for padding
+    row_source: np.ndarray  # [T] slot (block * query_block + offset) holding each row; Q * query_block: none
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_users)
 
     @property
     def num_pairs(self) -> int:
-        return len(self.query_rows)
+        return len(self.pair_blocks)
 
 
 @dataclass(frozen=True)
@@ -119,31 +130,42 @@ class _Scheduler:
         return np.where(row < n, c + row + 1, c + n)
 
     def blocks(self, first_row: np.ndarray) -> BlockSchedule:
-        """The pairs for query rows first_row[b] .. n_b + m_b - 1 of every user b."""
+        """The blocks and pairs for query rows first_row[b] .. n_b + m_b - 1 of every user b."""
+        qb, kb = self.qb, self.kb
         seq_len = self.n + self.m
         rows_per_user = np.maximum(seq_len - first_row, 0)
-        q_user, q_rank = row_ids_and_ranks(-(-rows_per_user // self.qb))
-        block_first = first_row[q_user] + q_rank * self.qb
-        block_last = np.minimum(block_first + self.qb, seq_len[q_user]) - 1
-        keys_seen = self.key_end(q_user, block_last)  # the block's last row sees the most keys
-        pair_block, k_rank = row_ids_and_ranks(-(-keys_seen // self.kb))
-        user = q_user[pair_block]
+        block_user, block_rank = row_ids_and_ranks(-(-rows_per_user // qb))
+        block_first = first_row[block_user] + block_rank * qb  # [Q]
+        block_last = np.minimum(block_first + qb, seq_len[block_user]) - 1
+        keys_seen = self.key_end(block_user, block_last)  # the block's last row sees the most keys
 
-        row = block_first[pair_block, None] + np.arange(self.qb)  # [P, QB]
-        valid_row = row < seq_len[user, None]
-        is_history = row < self.n[user, None]
+        row = block_first[:, None] + np.arange(qb)  # [Q, QB] row in the user's query sequence
+        valid_row = row < seq_len[block_user, None]
+        is_history = row < self.n[block_user, None]
         q_rows = np.where(
             is_history,
-            self.history_offsets[user, None] + row,
-            self.n_hist + self.candidate_offsets[user, None] + row - self.n[user, None],
+            self.history_offsets[block_user, None] + row,
+            self.n_hist + self.candidate_offsets[block_user, None] + row - self.n[block_user, None],
         )
         q_rows = np.where(valid_row, q_rows, self.num_rows)
-        q_key_end = np.where(valid_row, self.key_end(user[:, None], row), 0)
+        row_source = np.full(self.num_rows, q_rows.size, dtype=np.int64)
+        row_source[q_rows[valid_row]] = np.flatnonzero(valid_row)
 
-        pos = k_rank[:, None] * self.kb + np.arange(self.kb)  # [P, KB]
+        pair_block, k_rank = row_ids_and_ranks(-(-keys_seen // kb))
+        user = block_user[pair_block]
+        pos = k_rank[:, None] * kb + np.arange(kb)  # [P, KB]
         valid_key = pos < (self.c + self.n)[user, None]
         # A padding slot reads the user's key 0 (a pair exists only if the user has keys): real data,
         # never an unwritten slot, so a masked score times its value is exactly 0.
         users = np.broadcast_to(user[:, None], pos.shape)
         k_rows = self.addressing.rows(users, np.where(valid_key, pos, 0), self.history_offsets)
-        return BlockSchedule(q_rows, q_key_end, k_rows, np.where(valid_key, pos, NO_KEY))
+        return BlockSchedule(
+            block_users=block_user,
+            block_first_row=block_first,
+            block_rows=q_rows,
+            block_key_end=np.where(valid_row, self.key_end(block_user[:, None], row), 0),
+            pair_blocks=pair_block,
+            key_rows=k_rows,
+            key_positions=np.where(valid_key, pos, NO_KEY),
+            row_source=row_source,
+        )

@@ -1,0 +1,58 @@
+"""Serving is batch-shaped: no host syncs in a forward, and the op count does not grow with the batch.
+
+Counted with a TorchDispatchMode on CPU (model/op_counter.py): every aten op is at least one kernel
+launch on a GPU, and sync-class ops make the host wait for the device.
+"""
+from __future__ import annotations
+
+import pytest
+
+from data.dataset import InferenceDataset
+from helpers import build_processed, make_cache, sensitive_model
+from model.inference import InferenceSession
+from model.op_counter import OpCounter
+from model.train import config_for_dataset
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return InferenceDataset(build_processed(tmp_path_factory.mktemp("shape")))
+
+
+def _warm_session(dataset, cached: bool):
+    cfg = config_for_dataset("tiny", dataset)
+    session = InferenceSession(sensitive_model(cfg, 0), dataset, kv_cache=make_cache(cfg, num_pages=2048) if cached else None)
+    batches = list(dataset.batches(dataset.request_indices(), 8))
+    for batch in batches[:30]:  # users come back: their cache is warm
+        session.serve(batch)
+    return session, batches[30:]
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "full"])
+def test_serve_has_no_sync_ops_and_flat_op_counts(dataset, cached):
+    session, later = _warm_session(dataset, cached)
+    batch_of_8 = next(b for b in later if len(b) == 8)
+    batch_of_1 = later[-1][:1]
+    with OpCounter() as ops_8:
+        result = session.serve(batch_of_8)
+    with OpCounter() as ops_1:
+        session.serve(batch_of_1)
+    if cached:
+        assert result.tokens_reused > 0  # the batch really continued cached users
+    assert not ops_8.syncs and not ops_1.syncs, (ops_8.syncs, ops_1.syncs)
+    assert ops_8.total <= 1.3 * ops_1.total, (ops_8.total, ops_1.total, (ops_8.counts - ops_1.counts).most_common(8))
+
+
+def test_the_op_counter_sees_syncs_and_per_user_loops():
+    """The proxy itself: a per-user loop and an .item() are what the assertions above would catch."""
+    import torch
+
+    x = torch.arange(8.0)
+    with OpCounter() as loop:
+        for i in range(8):
+            x[i : i + 1].mul_(2)
+        float(x.sum())
+    with OpCounter() as batched:
+        x.mul_(2)
+    assert loop.total >= 8 * batched.total and loop.syncs["aten::_local_scalar_dense"] == 1
+    assert float(x[1]) == 4.0  # both loops ran
