@@ -129,8 +129,14 @@ class KVCacheManager:
         return self._host
 
     # ------------------------------------------------------------------ device views
+    @property
+    def sink_slot(self) -> int:
+        """A write-only slot outside every user's pages: where padding rows of a bucketed batch append."""
+        return self._pool.sink_slot
+
     def k_cache(self, layer: int) -> Tensor:
-        """[num_pages, page_size, num_heads, head_dim], preallocated; never reallocated."""
+        """[num_pages + 1, page_size, num_heads, head_dim], preallocated and never reallocated; the last
+        page is the sink (see `sink_slot`)."""
         return self._pool.k_cache(layer)
 
     def v_cache(self, layer: int) -> Tensor:

@@ -1,6 +1,6 @@
 """The device page pool: preallocated K/V pages for every layer, a free list, and page moves.
 
-All layers live in one tensor `[num_layers, 2 (K, V), num_pages, page_size, heads, head_dim]`:
+All layers live in one tensor `[num_layers, 2 (K, V), num_pages + 1, page_size, heads, head_dim]`:
 `k_cache(l)` is a contiguous view (what paged kernels want), and a user's pages over all
 layers move to or from the host tier in one `index_select` / `index_copy_`. The pool knows
 nothing about users: the manager owns the page lists, the pool only hands pages out and back.
@@ -28,9 +28,10 @@ class DevicePagePool:
         self.layout = layout
         self.num_pages = num_pages
         self.device = device
-        # Zeroed so that a kernel reading a whole page (masked) never meets NaN garbage.
+        # Zeroed so that a kernel reading a whole page (masked) never meets NaN garbage. One page more
+        # than the pool hands out: the sink, where padding rows of a bucketed batch append their K/V.
         self.kv = torch.zeros(
-            (layout.num_layers, 2, num_pages, layout.page_size, layout.num_heads, layout.head_dim),
+            (layout.num_layers, 2, num_pages + 1, layout.page_size, layout.num_heads, layout.head_dim),
             dtype=layout.dtype,
             device=device,
         )
@@ -43,6 +44,11 @@ class DevicePagePool:
         self._written: torch.cuda.Event | None = None
 
     # --- views ---
+    @property
+    def sink_slot(self) -> int:
+        """A slot of the sink page: never handed out, never read (a write-only target for padding)."""
+        return self.num_pages * self.layout.page_size
+
     def k_cache(self, layer: int) -> Tensor:
         return self.kv[layer, 0]
 
@@ -136,8 +142,8 @@ class DevicePagePool:
         return torch.from_numpy(np.asarray(pages, dtype=np.int64)).to(self.device)
 
     def _pool_rows(self) -> Tensor:
-        """The pool as [L*2, num_pages, S*H*D]."""
-        return self.kv.view(-1, self.num_pages, self._page_numel)
+        """The pool as [L*2, num_pages + 1, S*H*D]."""
+        return self.kv.view(-1, self.num_pages + 1, self._page_numel)
 
     def _as_rows(self, pages: Tensor) -> Tensor:
         """[k, L, 2, S, H, D] -> [k, L*2, S*H*D] view."""

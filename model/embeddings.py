@@ -66,7 +66,8 @@ class TokenEmbedder(nn.Module):
         }
 
     def forward(self, device_inputs: Mapping[str, Tensor], features: TokenFeatures) -> Tensor:
-        """-> x [T, hidden_dim] float32: token embeddings in the row layout of model/features.py."""
+        """-> x [shape.num_rows, hidden_dim] float32: token embeddings in the row layout of model/features.py
+        (padding rows are zero)."""
         sizes = [len(features.token_rows)] * len(TOKEN_FEATURES) + [len(features.prefix_ids)] * self.num_prefix
         kjt = KeyedJaggedTensor(
             keys=list(self.feature_names),
@@ -78,10 +79,10 @@ class TokenEmbedder(nn.Module):
         )
         embedded = self.collection(kjt)
         tokens = sum(embedded[name].values() for name in TOKEN_FEATURES)  # [N + M, d]
-        x = tokens.new_empty(features.num_rows, tokens.shape[-1])
+        x = tokens.new_zeros(features.shape.num_rows + 1, tokens.shape[-1])  # + the scratch row
         x = x.index_copy(0, device_inputs["token_rows"], tokens)
         if features.prefix_ids.size:
             names = [user_feature_name(j) for j in range(self.num_prefix)]
             prefix = torch.stack([embedded[name].values() for name in names], 1)  # [P, C, d]
             x = x.index_copy(0, device_inputs["prefix_rows"], prefix.reshape(-1, prefix.shape[-1]))
-        return x
+        return x[: features.shape.num_rows]

@@ -22,6 +22,7 @@ import numpy as np
 
 from data.batch import VisitBatch
 from data.jagged import offsets, row_ids_and_ranks
+from model.batch_shape import BatchShape
 from model.config import UNKNOWN_ACTION_ID, HSTUConfig
 from model.token_layout import TokenLayout, TokenSpans
 
@@ -43,17 +44,23 @@ def time_gap_bucket(gap_ms: np.ndarray, num_buckets: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TokenFeatures:
-    """A batch's sparse ids and token rows (host int64). N events, M candidates, P users opening a window."""
+    """A batch's sparse ids and token rows (host int64). N events, M candidates, P users opening a window;
+    in a bucketed shape the id lists are padded (id 0, row = the scratch row) to fixed lengths."""
 
-    token_ids: dict[str, np.ndarray]  # TOKEN_FEATURES name -> [N + M] ids: events (users in order), then candidates
-    token_rows: np.ndarray  # [N + M] row of each event / candidate token in x
-    prefix_ids: np.ndarray  # [P, C] user-feature ids of the users whose visit opens their window
-    prefix_rows: np.ndarray  # [P, C] rows of their prefix tokens in x
-    num_history_tokens: int  # rows of x that are history tokens (prefixes + events)
-    num_rows: int  # T = history tokens + candidates
+    token_ids: dict[str, np.ndarray]  # TOKEN_FEATURES name -> [N + M (+ pad)] ids: events, then candidates
+    token_rows: np.ndarray  # [N + M (+ pad)] row of each event / candidate token in x
+    prefix_ids: np.ndarray  # [P (+ pad), C] user-feature ids of the users whose visit opens their window
+    prefix_rows: np.ndarray  # [P (+ pad), C] rows of their prefix tokens in x
+    shape: BatchShape  # x has shape.num_rows rows (+ the scratch row)
 
 
-def token_features(config: HSTUConfig, layout: TokenLayout, batch: VisitBatch, spans: TokenSpans) -> TokenFeatures:
+def exact_shape(batch: VisitBatch, spans: TokenSpans) -> BatchShape:
+    return BatchShape.exact(batch.batch_size, int(spans.history_lengths.sum()), len(batch.candidate_video_ids))
+
+
+def token_features(
+    config: HSTUConfig, layout: TokenLayout, batch: VisitBatch, spans: TokenSpans, shape: BatchShape | None = None
+) -> TokenFeatures:
     n_cands = len(batch.candidate_video_ids)
     event_rows, event_ranks = row_ids_and_ranks(batch.history_lengths)
     cand_rows, _ = row_ids_and_ranks(batch.candidate_lengths)
@@ -79,16 +86,22 @@ def token_features(config: HSTUConfig, layout: TokenLayout, batch: VisitBatch, s
         "hour": (hour_of_day(batch.timestamps_ms), hour_of_day(request_times)),
         "position": (layout.position_ids(batch.starts[event_rows] + event_ranks), spans.candidate_positions[cand_rows]),
     }
+    exact = exact_shape(batch, spans)
+    shape = shape or exact
+    if not shape.holds(exact):
+        raise ValueError(f"a batch of shape {exact} does not fit in {shape}")
     history_starts = offsets(spans.history_lengths)  # [B + 1]
-    n_hist = int(history_starts[-1])
     event_token_rows = history_starts[event_rows] + spans.prefix_lengths[event_rows] + event_ranks
     opening = np.flatnonzero(spans.prefix_lengths > 0)  # [P]
     num_prefix = layout.num_prefix
-    return TokenFeatures(
-        token_ids={name: np.concatenate(parts).astype(np.int64, copy=False) for name, parts in ids.items()},
-        token_rows=np.concatenate([event_token_rows, n_hist + np.arange(n_cands, dtype=np.int64)]),
-        prefix_ids=np.ascontiguousarray(batch.user_features[opening, :num_prefix], dtype=np.int64),
-        prefix_rows=history_starts[opening, None] + np.arange(num_prefix, dtype=np.int64),
-        num_history_tokens=n_hist,
-        num_rows=n_hist + n_cands,
-    )
+    token_ids = {name: np.concatenate(parts).astype(np.int64, copy=False) for name, parts in ids.items()}
+    token_rows = np.concatenate([event_token_rows, shape.history_rows + np.arange(n_cands, dtype=np.int64)])
+    prefix_ids = np.ascontiguousarray(batch.user_features[opening, :num_prefix], dtype=np.int64)
+    prefix_rows = history_starts[opening, None] + np.arange(num_prefix, dtype=np.int64)
+    if shape != exact:  # fixed lengths: a bucket's token count bounds N + M, its user count P
+        pad_tokens, pad_users = shape.num_rows - len(token_rows), shape.users - len(opening)
+        token_ids = {name: np.pad(ids, (0, pad_tokens)) for name, ids in token_ids.items()}
+        token_rows = np.pad(token_rows, (0, pad_tokens), constant_values=shape.scratch_row)
+        prefix_ids = np.pad(prefix_ids, ((0, pad_users), (0, 0)))
+        prefix_rows = np.pad(prefix_rows, ((0, pad_users), (0, 0)), constant_values=shape.scratch_row)
+    return TokenFeatures(token_ids, token_rows, prefix_ids, prefix_rows, shape)

@@ -203,7 +203,7 @@ def serve_through_cache(
             continue
         try:
             with torch.inference_mode():
-                logits = model(batch, PagedKV(cache.k_cache, cache.v_cache, meta))
+                logits = model(batch, PagedKV(cache.k_cache, cache.v_cache, meta, cache.sink_slot))
         except BaseException:
             cache.rollback(meta)
             raise

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from kvcache import KVCacheMetadata, paged_kvcache_ops
 from model.attention import KeyAddressing
+from model.batch_shape import BatchShape
 
 
 class KVStore(Protocol):
@@ -28,7 +29,7 @@ class KVStore(Protocol):
         """How attention finds key position j of user b."""
         ...
 
-    def host_inputs(self) -> dict[str, np.ndarray]:
+    def host_inputs(self, shape: BatchShape) -> dict[str, np.ndarray]:
         """Arrays the store needs on the device (packed into the batch's one upload)."""
         ...
 
@@ -52,7 +53,7 @@ class FullRecompute:
     def cached_lengths(self) -> np.ndarray:
         return self._cached
 
-    def host_inputs(self) -> dict[str, np.ndarray]:
+    def host_inputs(self, shape: BatchShape) -> dict[str, np.ndarray]:
         return {}
 
     def layer_kv(self, layer, k, v, num_history_rows, device_inputs):
@@ -62,17 +63,31 @@ class FullRecompute:
 class PagedKV:
     """A prepared batch of a paged KV cache (`KVCacheManager.prepare_kv_cache`'s metadata)."""
 
-    def __init__(self, k_cache: Callable[[int], Tensor], v_cache: Callable[[int], Tensor], metadata: KVCacheMetadata):
+    def __init__(
+        self,
+        k_cache: Callable[[int], Tensor],
+        v_cache: Callable[[int], Tensor],
+        metadata: KVCacheMetadata,
+        sink_slot: int | None = None,
+    ):
+        """`sink_slot` (`KVCacheManager.sink_slot`) is where padding rows of a bucketed batch append."""
         self._k_cache, self._v_cache = k_cache, v_cache
         self.metadata = metadata
+        self.sink_slot = sink_slot
         self.addressing = KeyAddressing(metadata.page_size, metadata.page_indptr.numpy(), metadata.page_indices.numpy())
 
     @property
     def cached_lengths(self) -> np.ndarray:
         return self.metadata.cached_lengths.numpy()
 
-    def host_inputs(self) -> dict[str, np.ndarray]:
-        return {"kv.new_token_slots": self.metadata.new_token_slots.numpy()}
+    def host_inputs(self, shape: BatchShape) -> dict[str, np.ndarray]:
+        slots = self.metadata.new_token_slots.numpy()
+        padding = shape.history_rows - len(slots)
+        if padding:
+            if self.sink_slot is None:
+                raise ValueError("a bucketed batch needs the cache's sink_slot for its padding rows")
+            slots = np.pad(slots, (0, padding), constant_values=self.sink_slot)
+        return {"kv.new_token_slots": slots}
 
     def layer_kv(self, layer, k, v, num_history_rows, device_inputs):
         k_pages, v_pages = self._k_cache(layer), self._v_cache(layer)  # [num_pages, page_size, H, D]

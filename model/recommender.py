@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from data.batch import VisitBatch
 from model import attention
 from model.attention import BatchAttention, plan_attention
+from model.batch_shape import BatchShape
 from model.config import NUM_ACTION_IDS, HSTUConfig
 from model.embeddings import TokenEmbedder
 from model.features import TokenFeatures, token_features
@@ -72,14 +73,19 @@ class HSTURecommender(nn.Module):
         """
         return self.run(self.prepare_inputs(batch, kv), kv)
 
-    def prepare_inputs(self, batch: VisitBatch, kv: KVStore | None = None) -> ModelInputs:
-        """Validate and plan the batch on the host, then move its arrays to the device in one copy."""
+    def prepare_inputs(self, batch: VisitBatch, kv: KVStore | None = None, shape: BatchShape | None = None) -> ModelInputs:
+        """Validate and plan the batch on the host, then move its arrays to the device in one copy.
+
+        `shape` pads the batch to fixed row capacities (a CUDA graph bucket); default: exact.
+        """
         kv = kv if kv is not None else FullRecompute(batch.batch_size)
         spans = self.layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
         self._validate(batch, spans, kv)
-        features = token_features(self.config, self.layout, batch, spans)
-        plan = plan_attention(spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing)
-        arrays = {**self.embedder.host_inputs(features), **attention.host_inputs(plan), **kv.host_inputs()}
+        features = token_features(self.config, self.layout, batch, spans, shape)
+        plan = plan_attention(
+            spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing, features.shape
+        )
+        arrays = {**self.embedder.host_inputs(features), **attention.host_inputs(plan), **kv.host_inputs(features.shape)}
         device_inputs = self._staging_for(self.device).upload(arrays)
         return ModelInputs(features, BatchAttention.from_device(plan, device_inputs), device_inputs)
 
@@ -90,7 +96,8 @@ class HSTURecommender(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, inputs.attention, kv, inputs.device_inputs, history_outputs_needed=i < last)
-        return self.head(self.output_norm(x)).float()  # [M, num_tasks]
+        logits = self.head(self.output_norm(x)).float()  # [candidate_rows, num_tasks]
+        return logits[: int(inputs.attention.plan.candidate_offsets[-1])]  # the real candidates
 
     def _staging_for(self, device: torch.device) -> DeviceStaging:
         if device not in self._staging:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.jagged import offsets, row_ids_and_ranks
+from model.batch_shape import BatchShape
 
 QUERY_BLOCK = 128
 KEY_BLOCK = 256
@@ -81,16 +82,17 @@ class AttentionPlan:
     history_offsets: np.ndarray  # [B + 1]
     candidate_offsets: np.ndarray  # [B + 1]
     addressing: KeyAddressing
+    shape: BatchShape  # candidate rows start at shape.history_rows
     all_rows: BlockSchedule
     candidate_rows: BlockSchedule
 
     @property
     def num_history_rows(self) -> int:
-        return int(self.history_offsets[-1])
+        return self.shape.history_rows
 
     @property
     def num_rows(self) -> int:
-        return self.num_history_rows + int(self.candidate_offsets[-1])
+        return self.shape.num_rows
 
 
 def plan_attention(
@@ -98,6 +100,7 @@ def plan_attention(
     candidate_lengths: np.ndarray,
     cached_lengths: np.ndarray,
     addressing: KeyAddressing,
+    shape: BatchShape | None = None,
     query_block: int | None = None,
     key_block: int | None = None,
 ) -> AttentionPlan:
@@ -105,24 +108,27 @@ def plan_attention(
     m = np.asarray(candidate_lengths, dtype=np.int64)
     c = np.asarray(cached_lengths, dtype=np.int64)
     history_offsets, candidate_offsets = offsets(n), offsets(m)
+    shape = shape or BatchShape.exact(len(n), int(history_offsets[-1]), int(candidate_offsets[-1]))
     schedule = _Scheduler(
-        n, m, c, history_offsets, candidate_offsets, addressing, query_block or QUERY_BLOCK, key_block or KEY_BLOCK
+        n, m, c, history_offsets, candidate_offsets, addressing, shape, query_block or QUERY_BLOCK, key_block or KEY_BLOCK
     )
     return AttentionPlan(
-        n, m, c, history_offsets, candidate_offsets, addressing,
+        n, m, c, history_offsets, candidate_offsets, addressing, shape,
         all_rows=schedule.blocks(first_row=np.zeros_like(n)),
         candidate_rows=schedule.blocks(first_row=n),
     )
 
 
 class _Scheduler:
-    def __init__(self, n, m, c, history_offsets, candidate_offsets, addressing: KeyAddressing, qb: int, kb: int) -> None:
+    def __init__(
+        self, n, m, c, history_offsets, candidate_offsets, addressing: KeyAddressing, shape: BatchShape, qb: int, kb: int
+    ) -> None:
         self.n, self.m, self.c = n, m, c
         self.qb, self.kb = qb, kb
         self.history_offsets, self.candidate_offsets = history_offsets, candidate_offsets
         self.addressing = addressing
-        self.n_hist = int(history_offsets[-1])
-        self.num_rows = self.n_hist + int(candidate_offsets[-1])
+        self.n_hist = shape.history_rows  # candidate rows start here
+        self.num_rows = shape.num_rows
 
     def key_end(self, user: np.ndarray, row: np.ndarray) -> np.ndarray:
         """Keys seen by query row `row` (of its user's query sequence): j < key_end."""

@@ -76,7 +76,7 @@ def test_config_is_frozen_and_derives_layout():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.page_size = 8
     mgr = KVCacheManager(cfg)
-    assert mgr.k_cache(1).shape == (16, 4, 2, 4) and mgr.k_cache(1).is_contiguous()
+    assert mgr.k_cache(1).shape == (16 + 1, 4, 2, 4) and mgr.k_cache(1).is_contiguous()  # + the sink page
     assert mgr.k_cache(0).data_ptr() != mgr.v_cache(0).data_ptr()
 
 

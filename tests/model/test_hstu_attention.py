@@ -46,7 +46,8 @@ def test_batched_attention_matches_the_dense_reference(page_size, query_block, k
     cached = [0] * 5 if page_size == 0 else [0, 20, 50, 3, 9]
     new, cands = [1, 13, 0, 16, 40], [1, 3, 4, 0, 7]  # no new events; no candidates
     q, k, v, windows, addressing, keys, values = _batch(rng, cached, new, cands, page_size)
-    plan = plan_attention(np.array(new), np.array(cands), np.array(cached), addressing, query_block, key_block)
+    plan = plan_attention(np.array(new), np.array(cands), np.array(cached), addressing,
+                          query_block=query_block, key_block=key_block)
     attention = BatchAttention.from_device(plan, {name: torch.from_numpy(a) for name, a in host_inputs(plan).items()})
     out = attend(q, k, v, keys, values, attention, candidates_only=False, alpha=ALPHA, normalizer=N)
     cand_only = attend(q, k, v, keys, values, attention, candidates_only=True, alpha=ALPHA, normalizer=N)
