@@ -24,8 +24,8 @@ import numpy as np
 from data.jagged import offsets, row_ids_and_ranks
 from model.batch_shape import BatchShape
 
-QUERY_BLOCK = 128
-KEY_BLOCK = 256
+QUERY_BLOCK = 256
+KEY_BLOCK = 512
 NO_KEY = np.iinfo(np.int64).max  # key position of a padding slot: above every query's key_end
 
 
