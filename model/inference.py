@@ -25,7 +25,8 @@ from data.dataset import InferenceDataset
 from kvcache import KVCacheManager, KVCacheStaleError
 from model.cache_tag import window_tags
 from model.checkpoint import model_fingerprint as fingerprint_of
-from model.kv_store import PagedKV
+from model.cuda_graphs import CUDAGraphs
+from model.kv_store import KVStore, PagedKV
 from model.recommender import HSTURecommender
 from model.token_layout import VisitPlan
 
@@ -67,10 +68,13 @@ class InferenceSession:
         kv_cache: KVCacheManager | None = None,
         offload_between_visits: bool = True,
         model_fingerprint: str | None = None,
+        cuda_graphs: bool = False,
     ):
         """`model_fingerprint` (default: computed from the weights) goes into every cache tag,
-        so K/V written by another model are never reused, in any tier."""
+        so K/V written by another model are never reused, in any tier. `cuda_graphs` runs each
+        forward as the replay of its bucket's CUDA graph (model/cuda_graphs.py; CUDA only)."""
         self.model = model.eval()
+        self.graphs = CUDAGraphs(model) if cuda_graphs else None
         self.dataset = dataset
         self.kv_cache = kv_cache
         self.offload_between_visits = offload_between_visits
@@ -131,7 +135,7 @@ class InferenceSession:
             windows = layout.window_start(ends)
             batch = make_batch(windows, windows)
             with torch.inference_mode():
-                logits = self.model(batch)
+                logits = self._forward(batch, None)
             reused = 0
         else:
             batch, logits, reused = self._serve_cached(user_ids, ends, make_batch)
@@ -149,8 +153,15 @@ class InferenceSession:
             tokens_reused=reused,
         )
 
+    def _forward(self, batch: VisitBatch, kv: KVStore | None) -> torch.Tensor:
+        if self.graphs is None:
+            return self.model(batch, kv)
+        return self.graphs.run(self.model.prepare_inputs(batch, kv, bucketed=True), kv)
+
     def _serve_cached(self, user_ids: np.ndarray, ends: np.ndarray, make_batch: BatchMaker):
-        served = serve_through_cache(self.model, self.kv_cache, user_ids, ends, make_batch, self._tags)
+        served = serve_through_cache(
+            self.model, self.kv_cache, user_ids, ends, make_batch, self._tags, forward=self._forward
+        )
         self.tag_mismatches += served.tag_mismatches
         return served.batch, served.logits, served.tokens_reused
 
@@ -161,6 +172,7 @@ class InferenceSession:
 
 
 TagFn = Callable[[np.ndarray, np.ndarray, np.ndarray], list[bytes]]  # (user_ids, window_starts, ends) -> tags
+Forward = Callable[[VisitBatch, KVStore | None], torch.Tensor]  # (batch, kv) -> logits
 
 
 @dataclass(frozen=True)
@@ -178,14 +190,17 @@ def serve_through_cache(
     ends: np.ndarray,
     make_batch: BatchMaker,
     tags: TagFn | None = None,
+    forward: Forward | None = None,
 ) -> CachedVisits:
     """One batch of visits through the cache: plan, prepare (guarded by what was planned), forward,
     commit; rollback on any failure; re-plan when another caller changed the cache in between.
 
     `tags(user_ids, window_starts, ends)` describes the inputs of cached windows: a cached window
-    whose stored tag differs is recomputed (None: tags are neither checked nor stored).
+    whose stored tag differs is recomputed (None: tags are neither checked nor stored). `forward`
+    replaces `model(batch, kv)` (e.g. a CUDA graph replay).
     """
     layout, users = model.layout, user_ids.tolist()
+    forward = forward or model
     for attempt in range(1, MAX_PLAN_ATTEMPTS + 1):
         plan, mismatches = _plan(layout, cache, user_ids, ends, tags)
         batch = make_batch(plan.starts, plan.window_starts)
@@ -203,7 +218,7 @@ def serve_through_cache(
             continue
         try:
             with torch.inference_mode():
-                logits = model(batch, PagedKV(cache.k_cache, cache.v_cache, meta, cache.sink_slot))
+                logits = forward(batch, PagedKV(cache.k_cache, cache.v_cache, meta, cache.sink_slot))
         except BaseException:
             cache.rollback(meta)
             raise

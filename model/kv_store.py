@@ -40,6 +40,11 @@ class KVStore(Protocol):
         key and value rows attention reads ([R, H, D], indexed by `addressing`)."""
         ...
 
+    @property
+    def graph_key(self) -> tuple:
+        """What a captured CUDA graph of a forward through this store depends on besides the batch shape."""
+        ...
+
 
 class FullRecompute:
     """Nothing cached: every user's window is exactly its history rows of this batch."""
@@ -58,6 +63,10 @@ class FullRecompute:
 
     def layer_kv(self, layer, k, v, num_history_rows, device_inputs):
         return k, v
+
+    @property
+    def graph_key(self) -> tuple:
+        return ("full",)
 
 
 class PagedKV:
@@ -96,3 +105,7 @@ class PagedKV:
             device_inputs["kv.new_token_slots"],
         )
         return k_pages.flatten(0, 1), v_pages.flatten(0, 1)  # [num_pages * page_size, H, D]
+
+    @property
+    def graph_key(self) -> tuple:
+        return ("paged", self._k_cache(0).data_ptr(), self._v_cache(0).data_ptr())  # the page pool it writes

@@ -23,10 +23,10 @@ from model.attention import BatchAttention, plan_attention
 from model.batch_shape import BatchShape
 from model.config import NUM_ACTION_IDS, HSTUConfig
 from model.embeddings import TokenEmbedder
-from model.features import TokenFeatures, token_features
+from model.features import TokenFeatures, exact_shape, token_features
 from model.hstu import HSTULayer
 from model.kv_store import FullRecompute, KVStore
-from model.staging import DeviceStaging
+from model.staging import DeviceArrays, DeviceStaging
 from model.token_layout import TokenLayout, TokenSpans
 
 
@@ -36,7 +36,16 @@ class ModelInputs:
 
     features: TokenFeatures
     attention: BatchAttention
-    device_inputs: dict[str, Tensor]
+    device_inputs: DeviceArrays
+
+    @property
+    def num_candidates(self) -> int:
+        return int(self.attention.plan.candidate_offsets[-1])
+
+    def rebound(self, buffer: Tensor) -> ModelInputs:
+        """The same batch reading its arrays from another buffer of the same layout (a graph's static inputs)."""
+        arrays = self.device_inputs.rebound(buffer)
+        return ModelInputs(self.features, BatchAttention.from_device(self.attention.plan, arrays), arrays)
 
 
 class HSTURecommender(nn.Module):
@@ -73,14 +82,20 @@ class HSTURecommender(nn.Module):
         """
         return self.run(self.prepare_inputs(batch, kv), kv)
 
-    def prepare_inputs(self, batch: VisitBatch, kv: KVStore | None = None, shape: BatchShape | None = None) -> ModelInputs:
+    def prepare_inputs(
+        self, batch: VisitBatch, kv: KVStore | None = None, shape: BatchShape | None = None, bucketed: bool = False
+    ) -> ModelInputs:
         """Validate and plan the batch on the host, then move its arrays to the device in one copy.
 
-        `shape` pads the batch to fixed row capacities (a CUDA graph bucket); default: exact.
+        `shape` pads the batch to given row capacities; `bucketed` to those of its CUDA graph bucket
+        (`BatchShape.bucket`); default: exact.
         """
         kv = kv if kv is not None else FullRecompute(batch.batch_size)
         spans = self.layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
         self._validate(batch, spans, kv)
+        if bucketed and shape is None:
+            exact = exact_shape(batch, spans)
+            shape = BatchShape.bucket(exact.users, exact.history_rows, exact.candidate_rows)
         features = token_features(self.config, self.layout, batch, spans, shape)
         plan = plan_attention(
             spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing, features.shape
@@ -90,14 +105,18 @@ class HSTURecommender(nn.Module):
         return ModelInputs(features, BatchAttention.from_device(plan, device_inputs), device_inputs)
 
     def run(self, inputs: ModelInputs, kv: KVStore | None = None) -> Tensor:
-        """The embeddings, HSTU block and head on a prepared batch: device work only."""
+        """The embeddings, HSTU block and head on a prepared batch: device work only. -> [M, num_tasks]"""
+        return self.run_padded(inputs, kv)[: inputs.num_candidates]
+
+    def run_padded(self, inputs: ModelInputs, kv: KVStore | None = None) -> Tensor:
+        """`run` over every candidate row of the batch's shape, padding included (what a CUDA graph
+        captures: fixed shapes, no host work). -> [shape.candidate_rows, num_tasks] float32"""
         kv = kv if kv is not None else FullRecompute(len(inputs.attention.plan.cached_lengths))
         x = self.embedder(inputs.device_inputs, inputs.features).to(self.dtype)  # [T, d]
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, inputs.attention, kv, inputs.device_inputs, history_outputs_needed=i < last)
-        logits = self.head(self.output_norm(x)).float()  # [candidate_rows, num_tasks]
-        return logits[: int(inputs.attention.plan.candidate_offsets[-1])]  # the real candidates
+        return self.head(self.output_norm(x)).float()
 
     def _staging_for(self, device: torch.device) -> DeviceStaging:
         if device not in self._staging:

@@ -11,6 +11,7 @@ the ring has grown to the largest batch. On CPU the arrays are used in place (no
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,6 +25,44 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    offset: int  # bytes into the packed buffer
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DeviceArrays(Mapping):
+    """A batch's arrays on the device: `tensors` are views of one flat `buffer` (None on CPU)."""
+
+    tensors: dict[str, Tensor]
+    buffer: Tensor | None
+    layout: tuple[Segment, ...]
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def rebound(self, buffer: Tensor) -> DeviceArrays:
+        """The same arrays viewed in another buffer of the same layout (a CUDA graph's static copy)."""
+        return DeviceArrays(_views(buffer, self.layout), buffer, self.layout)
+
+
+def _views(buffer: Tensor, layout: tuple[Segment, ...]) -> dict[str, Tensor]:
+    out = {}
+    for seg in layout:
+        nbytes = int(np.prod(seg.shape, dtype=np.int64)) * seg.dtype.itemsize
+        out[seg.name] = buffer[seg.offset : seg.offset + nbytes].view(seg.dtype).view(seg.shape)
+    return out
+
+
 class DeviceStaging:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -32,30 +71,29 @@ class DeviceStaging:
         self._next = 0
         self.pinned_allocations = 0  # grows only while the ring adapts to a larger batch
 
-    def upload(self, arrays: Mapping[str, np.ndarray]) -> dict[str, Tensor]:
-        """{name: host array} -> {name: tensor of the same dtype and shape on the device}."""
+    def upload(self, arrays: Mapping[str, np.ndarray]) -> DeviceArrays:
+        """{name: host array} -> the same arrays on the device (same dtypes and shapes), in one copy."""
         if self.device.type == "cpu":
-            return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
-        layout, total = [], 0
+            tensors = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+            return DeviceArrays(tensors, None, ())
+        layout, packed_arrays, total = [], [], 0
         for name, a in arrays.items():
             a = np.ascontiguousarray(a)
-            layout.append((name, a, total))
+            layout.append(Segment(name, total, _TORCH_DTYPES[a.dtype.str], a.shape))
+            packed_arrays.append(a)
             total += _aligned(a.nbytes)
         slot = self._next
         self._next = (slot + 1) % _RING
         host = self._host_buffer(slot, max(total, _ALIGN))
         packed = host.numpy()
-        for _, a, offset in layout:
-            packed[offset : offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+        for seg, a in zip(layout, packed_arrays):
+            packed[seg.offset : seg.offset + a.nbytes] = a.reshape(-1).view(np.uint8)
         device = host[:total].to(self.device, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self._copied[slot] = event
-        out = {}
-        for name, a, offset in layout:
-            segment = device[offset : offset + a.nbytes].view(_TORCH_DTYPES[a.dtype.str])
-            out[name] = segment.view(a.shape)
-        return out
+        layout = tuple(layout)
+        return DeviceArrays(_views(device, layout), device, layout)
 
     def _host_buffer(self, slot: int, nbytes: int) -> Tensor:
         if self._copied[slot] is not None:

@@ -5,6 +5,7 @@ plan and its arrays on the device; `attend` runs the kernel for it.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +34,7 @@ class BatchAttention:
     schedules: dict[str, dict[str, Tensor]]  # "all" / "candidates" -> schedule arrays on the device
 
     @classmethod
-    def from_device(cls, plan: AttentionPlan, device_inputs: dict[str, Tensor]) -> BatchAttention:
+    def from_device(cls, plan: AttentionPlan, device_inputs: Mapping[str, Tensor]) -> BatchAttention:
         schedules = {
             prefix: {name: device_inputs[f"attention.{prefix}.{name}"] for name in _SCHEDULE_FIELDS}
             for prefix in _SCHEDULES
