@@ -1,6 +1,7 @@
 """HSTU block benchmark: incremental (KV cache) vs full recompute at the same shapes.
 
-    python benchmark/hstu_block_benchmark.py [--preset kuairand-1k] [--output hstu_block.json]
+    python benchmark/hstu_block_benchmark.py [--preset kuairand-1k] [--dtype bfloat16] [--cuda_graphs]
+                                             [--histories ...] [--batches ...] [--output hstu_block.json]
 
 For each history length L and batch size B, every user has L history tokens of which
 all but the last --new_tokens are already in the paged KV cache, and --candidates
@@ -10,6 +11,9 @@ candidates to score. Timed, in the same run:
   * full:   the same over all L history tokens + candidates, nothing cached
 plus a plain torch.matmul of the shape of the cached path's largest GEMM, so the cached
 path's achieved FLOP rate is reported as a fraction of what this machine's matmul reaches.
+Each shape also reports the aten ops (and kernel-running ops, and sync ops) of one cached
+batch, and on CUDA the fraction of wall time the GPU was busy. With --cuda_graphs both paths
+replay their bucket's CUDA graph (model/cuda_graphs.py) after host planning and one upload.
 The embedding tables are shrunk so the model fits anywhere (lookups are a small part).
 """
 from __future__ import annotations
@@ -26,8 +30,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from device_profile import OpCounts, gpu_busy_fraction
 from kvcache import KVCacheConfig, KVCacheManager
 from model.config import HSTUConfig, preset
+from model.cuda_graphs import CUDAGraphs
 from model.kv_store import PagedKV
 from model.recommender import HSTURecommender
 from workloads import visit_batches
@@ -44,6 +50,10 @@ class Row:
     cached_gflops: float  # achieved by the cached path
     matmul_gflops: float  # plain torch.matmul of the cached path's projection shape
     cached_vs_matmul: float
+    cached_ops: int  # aten ops of one cached batch (prepare, upload, forward, rollback)
+    cached_kernel_ops: int  # of which run a kernel
+    cached_sync_ops: int
+    gpu_busy: float | None  # CUDA: kernel time / wall time of the cached path
 
 
 def layer_flops(cfg: HSTUConfig, new: int, cached: int, candidates: int, history_outputs: bool) -> float:
@@ -78,7 +88,7 @@ def timed(fns: list, repeats: int) -> list[float]:
 
 
 def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, candidates: int,
-                repeats: int, device: torch.device) -> Row:
+                repeats: int, device: torch.device, graphs: CUDAGraphs | None = None) -> Row:
     cfg = model.config
     cached = history - new
     dtype = model.dtype
@@ -96,15 +106,20 @@ def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, cand
         manager.v_cache(layer).normal_()
     manager.commit(prefill)
 
+    def forward(batch_, kv=None):
+        if graphs is None:
+            return model.run(model.prepare_inputs(batch_, kv), kv)
+        return graphs.run(model.prepare_inputs(batch_, kv, bucketed=True), kv)
+
     def run_cached():
         meta = manager.prepare_kv_cache(users, [cached] * batch, [new] * batch)
-        kv = PagedKV(manager.k_cache, manager.v_cache, meta)
-        model.run(model.prepare_inputs(new_batch, kv), kv)
+        kv = PagedKV(manager.k_cache, manager.v_cache, meta, manager.sink_slot)
+        forward(new_batch, kv)
         manager.rollback(meta)
         _sync(device)
 
     def run_full():
-        model.run(model.prepare_inputs(full_batch))
+        forward(full_batch)
         _sync(device)
 
     a = torch.randn(batch * (new + candidates), cfg.hidden_dim, device=device, dtype=dtype)
@@ -116,12 +131,14 @@ def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, cand
 
     with torch.inference_mode():
         t_cached, t_full, t_matmul = timed([run_cached, run_full, run_matmul], repeats)
+        ops = OpCounts.of(run_cached)
+        busy = gpu_busy_fraction(run_cached, device)
     f_cached = batch * model_flops(cfg, new, cached, candidates)
     f_full = batch * model_flops(cfg, history, 0, candidates)
     cached_gflops = f_cached / t_cached / 1e9
     matmul_gflops = 2 * a.shape[0] * a.shape[1] * b.shape[1] / t_matmul / 1e9
     return Row(history, batch, t_cached * 1e3, t_full * 1e3, t_full / t_cached, f_full / f_cached,
-               cached_gflops, matmul_gflops, cached_gflops / matmul_gflops)
+               cached_gflops, matmul_gflops, cached_gflops / matmul_gflops, ops.ops, ops.kernels, ops.syncs, busy)
 
 
 def _sync(device: torch.device) -> None:
@@ -138,32 +155,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--candidates", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--cuda_graphs", action="store_true", help="replay each bucket's CUDA graph (CUDA only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--output", default="hstu_block_benchmark.json")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available on this machine")
+    if args.cuda_graphs and device.type != "cuda":
+        p.error("--cuda_graphs needs --device cuda")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     cfg = preset(args.preset, video_hash_size=1024, user_feature_cardinalities=())  # small tables, no prefix
     if max(args.histories) > cfg.max_seq_len:
         p.error(f"history {max(args.histories)} exceeds the preset's max_seq_len {cfg.max_seq_len}")
     torch.manual_seed(0)
     model = HSTURecommender(cfg, device=device).to(dtype).eval()
+    graphs = CUDAGraphs(model) if args.cuda_graphs else None
     shapes = [(h, b) for b in args.batches for h in args.histories]
     rows = []
     for history, batch in tqdm(shapes, desc="shapes", file=sys.stderr):
-        rows.append(bench_shape(model, history, batch, args.new_tokens, args.candidates, args.repeats, device))
+        rows.append(bench_shape(model, history, batch, args.new_tokens, args.candidates, args.repeats, device, graphs))
 
     header = f"{'history':>7} {'batch':>5} {'cached ms':>10} {'full ms':>10} {'speedup':>8} {'FLOP ratio':>10} " \
-             f"{'cached GFLOP/s':>14} {'matmul GFLOP/s':>14} {'cached/matmul':>13}"
-    print(f"preset {args.preset}, {args.dtype} on {device}, {torch.get_num_threads()} threads; "
-          f"{args.new_tokens} new tokens, {args.candidates} candidates per user")
+             f"{'cached GFLOP/s':>14} {'matmul GFLOP/s':>14} {'cached/matmul':>13} {'ops':>6} {'kernels':>7} " \
+             f"{'syncs':>5} {'GPU busy':>8}"
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"preset {args.preset}, {args.dtype} on {device_name}, {torch.get_num_threads()} threads, "
+          f"CUDA graphs {'on' if graphs else 'off'}; {args.new_tokens} new tokens, {args.candidates} candidates per user")
     print(header)
     for r in rows:
-        print(f"{r.history:>7} {r.batch:>5} {r.cached_ms:>10.1f} {r.full_ms:>10.1f} {r.speedup:>7.2f}x "
-              f"{r.flop_ratio:>9.2f}x {r.cached_gflops:>14.1f} {r.matmul_gflops:>14.1f} {r.cached_vs_matmul:>12.0%}")
-    result = {"preset": args.preset, "dtype": args.dtype, "device": str(device), "threads": torch.get_num_threads(),
-              "new_tokens": args.new_tokens, "candidates": args.candidates, "rows": [asdict(r) for r in rows]}
+        busy = "-" if r.gpu_busy is None else f"{r.gpu_busy:.0%}"
+        print(f"{r.history:>7} {r.batch:>5} {r.cached_ms:>10.2f} {r.full_ms:>10.2f} {r.speedup:>7.2f}x "
+              f"{r.flop_ratio:>9.2f}x {r.cached_gflops:>14.1f} {r.matmul_gflops:>14.1f} {r.cached_vs_matmul:>12.0%} "
+              f"{r.cached_ops:>6} {r.cached_kernel_ops:>7} {r.cached_sync_ops:>5} {busy:>8}")
+    result = {"preset": args.preset, "dtype": args.dtype, "device": device_name, "threads": torch.get_num_threads(),
+              "cuda_graphs": bool(graphs), "new_tokens": args.new_tokens, "candidates": args.candidates,
+              "rows": [asdict(r) for r in rows]}
     Path(args.output).write_text(json.dumps(result, indent=2))
     print(f"results: {args.output}")
     return 0
