@@ -206,7 +206,7 @@ def assert_logits_close(cached: torch.Tensor, full: torch.Tensor, rel: float = 1
 
 
 def dense_hstu_reference(q_hist, q_cand, k_cand, v_cand, k_window, v_window, num_cached, alpha, normalizer):
-    """One user's HSTU attention straight from the math (DESIGN.md section 3), one query row at a time:
+    """One user's HSTU attention straight from the math (docs/model.md, "The layer"), one query row at a time:
     history rows causal over the window, each candidate over the whole window and itself.
     -> (history outputs [n, H, D], candidate outputs [m, H, D])"""
     n, m, T = q_hist.shape[0], q_cand.shape[0], k_window.shape[0]
