@@ -8,15 +8,17 @@ indexed by slot. Both ops are one pass over the layer:
     k, v = gather_kvcache(k_cache, v_cache, kv_slots)                 # [T, H, D] each
 
 They are `torch.library` custom ops (namespace `hstu_kvcache`) with fake implementations, so
-they trace under `torch.compile`. The default kernel (CUDA and any other device) is
-`index_copy_` / `index_select`; the CPU kernel moves each token row as 16-byte words, which
-runs at memcpy speed where the element-wise CPU path does not (bit-exact either way). A fused
-GPU kernel can be added later with `register_kernel("cuda")` without touching callers.
+they trace under `torch.compile`. On CUDA, append is one Triton launch for K and V of the whole
+batch (kvcache/triton_append.py; `index_copy_` when triton is missing); the CPU kernels move each
+token row as 16-byte words, which runs at memcpy speed where the element-wise CPU path does not
+(bit-exact either way). The default kernel of any other device is `index_copy_` / `index_select`.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from . import triton_append
 
 NAMESPACE = "hstu_kvcache"
 _WIDE = torch.complex128  # a 16-byte element used to move rows of any dtype on CPU
@@ -91,6 +93,16 @@ def _append_kvcache_cpu(k_cache: Tensor, v_cache: Tensor, new_k: Tensor, new_v: 
             dst.index_copy_(0, new_token_slots, src)
         else:
             words[0].index_copy_(0, new_token_slots, words[1])
+
+
+@append_kvcache.register_kernel("cuda")
+def _append_kvcache_cuda(k_cache: Tensor, v_cache: Tensor, new_k: Tensor, new_v: Tensor, new_token_slots: Tensor) -> None:
+    _check_append(k_cache, v_cache, new_k, new_v, new_token_slots)
+    if triton_append.available():
+        triton_append.append_rows(k_cache, v_cache, new_k, new_v, new_token_slots)
+    else:
+        _rows(k_cache).index_copy_(0, new_token_slots, new_k)
+        _rows(v_cache).index_copy_(0, new_token_slots, new_v)
 
 
 @append_kvcache.register_fake

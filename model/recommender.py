@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from data.batch import VisitBatch
 from model import attention
-from model.attention import BatchAttention, plan_attention
+from model.attention import BatchAttention, plan_attention, triton_attention
 from model.batch_shape import BatchShape
 from model.config import NUM_ACTION_IDS, HSTUConfig
 from model.embeddings import TokenEmbedder
@@ -63,6 +63,8 @@ class HSTURecommender(nn.Module):
             nn.Linear(config.mlp_hidden_dim, config.num_tasks),
         )
         self._staging: dict[torch.device, DeviceStaging] = {}
+        # "auto": the Triton kernel on CUDA (when triton imports), the blocked torch path elsewhere.
+        self.attention_backend = "auto"
         self.to(device)
 
     @property
@@ -97,9 +99,7 @@ class HSTURecommender(nn.Module):
             exact = exact_shape(batch, spans)
             shape = BatchShape.bucket(exact.users, exact.history_rows, exact.candidate_rows)
         features = token_features(self.config, self.layout, batch, spans, shape)
-        plan = plan_attention(
-            spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing, features.shape
-        )
+        plan = self._plan_attention(spans, batch, kv, features.shape, bucketed=shape is not None)
         arrays = {**self.embedder.host_inputs(features), **attention.host_inputs(plan), **kv.host_inputs(features.shape)}
         device_inputs = self._staging_for(self.device).upload(arrays)
         return ModelInputs(features, BatchAttention.from_device(plan, device_inputs), device_inputs)
@@ -117,6 +117,26 @@ class HSTURecommender(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, inputs.attention, kv, inputs.device_inputs, history_outputs_needed=i < last)
         return self.head(self.output_norm(x)).float()
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.device.type == "cuda" and triton_attention.available() else "blocked"
+
+    def _plan_attention(self, spans: TokenSpans, batch: VisitBatch, kv: KVStore, shape: BatchShape, bucketed: bool):
+        backend = self.resolved_attention_backend()
+        if backend != "triton":
+            return plan_attention(spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing, shape)
+        page_size = kv.addressing.page_size
+        # A bucket's arrays have fixed lengths: its page table holds any window, its split depends on the bucket only.
+        page_capacity = shape.users * -(-self.config.max_seq_len // page_size) if bucketed and page_size else None
+        longest = self.config.max_seq_len if bucketed else int((kv.cached_lengths + spans.history_lengths).max(initial=1))
+        tiles = triton_attention.tile_capacity(shape.num_rows, shape.users)
+        splits = triton_attention.num_splits(tiles, self.config.num_heads, longest, self.device)
+        return plan_attention(
+            spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing, shape,
+            backend="triton", page_capacity=page_capacity, splits=splits,
+        )
 
     def _staging_for(self, device: torch.device) -> DeviceStaging:
         if device not in self._staging:

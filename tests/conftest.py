@@ -8,11 +8,18 @@ tests that ask for one are skipped, and the run says so once at the end.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on CPU tensors. Set before anything imports
+    # triton: it decides at import and decoration time whether it compiles or interprets.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 

@@ -169,9 +169,10 @@ def make_batch(histories: dict[int, History], visits: list[Visit]) -> VisitBatch
     )
 
 
-def serve(model, kv_cache, histories: dict[int, History], visits: list[Visit]) -> torch.Tensor:
+def serve(model, kv_cache, histories: dict[int, History], visits: list[Visit], forward=None) -> torch.Tensor:
     """Serve visits as InferenceSession does (None: full recompute of every window), carrying only
-    the events to compute. -> logits [M, num_tasks]"""
+    the events to compute; `forward(batch, kv)` replaces `model(batch, kv)` for cached visits.
+    -> logits [M, num_tasks]"""
     from model.inference import serve_through_cache
 
     users = np.array([v.user_id for v in visits])
@@ -185,7 +186,7 @@ def serve(model, kv_cache, histories: dict[int, History], visits: list[Visit]) -
         windows = model.layout.window_start(ends)
         with torch.inference_mode():
             return model(batch_for(windows, windows))
-    return serve_through_cache(model, kv_cache, users, ends, batch_for).logits
+    return serve_through_cache(model, kv_cache, users, ends, batch_for, forward=forward).logits
 
 
 def make_cache(config: HSTUConfig, num_pages: int = 256, page_size: int | None = None,
@@ -223,6 +224,49 @@ def dense_hstu_reference(q_hist, q_cand, k_cand, v_cand, k_window, v_window, num
         outputs.append(torch.einsum("hk,khd->hd", a * visible, values))
     out = torch.stack(outputs) if outputs else queries.new_zeros(0, *queries.shape[1:])
     return out[:n], out[n:]
+
+
+@dataclass
+class AttentionCase:
+    """Random q/k/v rows of a batch and, when paged, a shuffled page pool holding every user's window."""
+
+    cached: list[int]
+    new: list[int]
+    cands: list[int]
+    q: torch.Tensor  # [n_hist + M, H, D]
+    k: torch.Tensor
+    v: torch.Tensor
+    windows: list[tuple[torch.Tensor, torch.Tensor]]  # each user's cached K, V
+    addressing: object  # model.attention.KeyAddressing
+    keys: torch.Tensor  # the pool's rows (paged) or k
+    values: torch.Tensor
+
+
+def paged_attention_case(rng, cached, new, cands, page_size, heads=2, head_dim=8, dtype=torch.float64) -> AttentionCase:
+    from model.attention import KeyAddressing
+
+    n_hist, M = sum(new), sum(cands)
+    t = lambda rows: torch.randn(rows, heads, head_dim, generator=None).to(dtype)
+    q, k, v = t(n_hist + M), t(n_hist + M), t(n_hist + M)
+    windows = [(t(c), t(c)) for c in cached]
+    hist_off = np.concatenate([[0], np.cumsum(new)])
+    if page_size == 0:
+        assert not any(cached)
+        return AttentionCase(cached, new, cands, q, k, v, windows, KeyAddressing(0), k, v)
+    pages_needed = [-(-(c + n) // page_size) for c, n in zip(cached, new)]
+    num_pages = sum(pages_needed) + 3
+    order = rng.permutation(num_pages)[: sum(pages_needed)]  # non-contiguous, shuffled pages
+    indptr = np.concatenate([[0], np.cumsum(pages_needed)]).astype(np.int64)
+    pool_k = torch.full((num_pages * page_size, heads, head_dim), float("nan"), dtype=dtype)  # unused slots poison
+    pool_v = pool_k.clone()
+    for b in range(len(cached)):
+        window_k = torch.cat([windows[b][0], k[hist_off[b]:hist_off[b + 1]]])
+        window_v = torch.cat([windows[b][1], v[hist_off[b]:hist_off[b + 1]]])
+        for j in range(len(window_k)):
+            slot = order[indptr[b] + j // page_size] * page_size + j % page_size
+            pool_k[slot], pool_v[slot] = window_k[j], window_v[j]
+    addressing = KeyAddressing(page_size, indptr, order.astype(np.int64))
+    return AttentionCase(cached, new, cands, q, k, v, windows, addressing, pool_k, pool_v)
 
 
 def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
+from model.attention import triton_attention
 from model.attention.blocked import blocked_hstu_attention
 from model.attention.plan import AttentionPlan, BlockSchedule, KeyAddressing, plan_attention
+from model.attention.triton_attention import triton_hstu_attention
 
 _SCHEDULE_FIELDS = ("block_rows", "block_key_end", "pair_blocks", "key_rows", "key_positions", "row_source")
 _SCHEDULES = {"all": "all_rows", "candidates": "candidate_rows"}
@@ -20,6 +22,8 @@ _SCHEDULES = {"all": "all_rows", "candidates": "candidate_rows"}
 
 def host_inputs(plan: AttentionPlan) -> dict[str, np.ndarray]:
     """The plan's arrays every attention call of the batch reads on the device."""
+    if plan.backend == "triton":
+        return {f"attention.triton.{name}": a for name, a in plan.triton_arrays.items()}
     out = {}
     for prefix, attr in _SCHEDULES.items():
         schedule: BlockSchedule = getattr(plan, attr)
@@ -31,15 +35,12 @@ def host_inputs(plan: AttentionPlan) -> dict[str, np.ndarray]:
 @dataclass(frozen=True)
 class BatchAttention:
     plan: AttentionPlan
-    schedules: dict[str, dict[str, Tensor]]  # "all" / "candidates" -> schedule arrays on the device
+    arrays: dict[str, Tensor]  # the plan's host_inputs on the device, without their "attention." prefix
 
     @classmethod
     def from_device(cls, plan: AttentionPlan, device_inputs: Mapping[str, Tensor]) -> BatchAttention:
-        schedules = {
-            prefix: {name: device_inputs[f"attention.{prefix}.{name}"] for name in _SCHEDULE_FIELDS}
-            for prefix in _SCHEDULES
-        }
-        return cls(plan, schedules)
+        prefix = "attention."
+        return cls(plan, {name[len(prefix):]: t for name, t in device_inputs.items() if name.startswith(prefix)})
 
 
 def attend(
@@ -47,12 +48,24 @@ def attend(
     candidates_only: bool, alpha: float, normalizer: float,
 ) -> Tensor:
     """[T, H, D] attention outputs (history rows are left zero when `candidates_only`)."""
-    prefix = "candidates" if candidates_only else "all"
-    schedule: BlockSchedule = getattr(attention.plan, _SCHEDULES[prefix])
+    plan, which = attention.plan, "candidates" if candidates_only else "all"
+    if plan.backend == "triton":
+        arrays = {name: attention.arrays[f"triton.{name}"] for name in _TRITON_USER_ARRAYS}
+        arrays["tile_users"] = attention.arrays[f"triton.{which}.tile_users"]
+        arrays["tile_rows"] = attention.arrays[f"triton.{which}.tile_rows"]
+        return triton_hstu_attention(
+            q, k, v, keys, values, arrays, plan.num_history_rows, plan.addressing.page_size, plan.splits,
+            alpha, normalizer,
+        )
+    schedule: BlockSchedule = getattr(plan, _SCHEDULES[which])
+    arrays = {name: attention.arrays[f"{which}.{name}"] for name in _SCHEDULE_FIELDS}
     return blocked_hstu_attention(
-        q, k, v, keys, values, attention.schedules[prefix], schedule.num_blocks, schedule.num_pairs,
-        attention.plan.num_history_rows, alpha, normalizer,
+        q, k, v, keys, values, arrays, schedule.num_blocks, schedule.num_pairs, plan.num_history_rows, alpha, normalizer
     )
 
 
-__all__ = ["AttentionPlan", "BatchAttention", "KeyAddressing", "attend", "host_inputs", "plan_attention"]
+_TRITON_USER_ARRAYS = ("history_offsets", "candidate_offsets", "cached_lengths", "page_indptr", "page_indices")
+
+__all__ = [
+    "AttentionPlan", "BatchAttention", "KeyAddressing", "attend", "host_inputs", "plan_attention", "triton_attention",
+]

@@ -10,10 +10,13 @@ Query i of user b's query sequence [history rows | candidates] sees keys j < key
 history row i sees j <= c_b + i (causal); every candidate sees the whole window, j < L_b
 (plus itself, added by the kernels; never another candidate).
 
-The work is cut into (query block, key block) pairs; a pair exists only if some query of the
-block sees some key of the block, so masked-out blocks above the diagonal are never visited.
-A schedule exists for all query rows and for candidates only (the last layer needs no
-history outputs).
+Two backends read a plan. `blocked` (torch, the CPU path and the reference) gets
+(query block, key block) pairs: a pair exists only if some query of the block sees some key
+of the block, so masked-out blocks above the diagonal are never visited. `triton` (CUDA) gets
+query tiles and int32 per-user extents and page tables; its kernel walks the keys itself.
+Either has a schedule for all query rows and one for candidates only (the last layer needs
+no history outputs). In a bucketed shape every array has a fixed length: padding users have
+no rows, padding tiles belong to user -1.
 """
 from __future__ import annotations
 
@@ -83,8 +86,11 @@ class AttentionPlan:
     candidate_offsets: np.ndarray  # [B + 1]
     addressing: KeyAddressing
     shape: BatchShape  # candidate rows start at shape.history_rows
-    all_rows: BlockSchedule
-    candidate_rows: BlockSchedule
+    backend: str  # "blocked" or "triton"
+    all_rows: BlockSchedule | None  # blocked backend
+    candidate_rows: BlockSchedule | None
+    triton_arrays: dict[str, np.ndarray] | None  # triton backend
+    splits: int = 1  # triton: programs splitting each tile's key range
 
     @property
     def num_history_rows(self) -> int:
@@ -101,22 +107,56 @@ def plan_attention(
     cached_lengths: np.ndarray,
     addressing: KeyAddressing,
     shape: BatchShape | None = None,
+    backend: str = "blocked",
+    page_capacity: int | None = None,
+    splits: int = 1,
     query_block: int | None = None,
     key_block: int | None = None,
 ) -> AttentionPlan:
+    """`page_capacity` fixes the length of the triton page table (a bucket's bound); `splits` is
+    the triton key split (see model/attention/triton_attention.py)."""
     n = np.asarray(history_lengths, dtype=np.int64)
     m = np.asarray(candidate_lengths, dtype=np.int64)
     c = np.asarray(cached_lengths, dtype=np.int64)
     history_offsets, candidate_offsets = offsets(n), offsets(m)
     shape = shape or BatchShape.exact(len(n), int(history_offsets[-1]), int(candidate_offsets[-1]))
-    schedule = _Scheduler(
-        n, m, c, history_offsets, candidate_offsets, addressing, shape, query_block or QUERY_BLOCK, key_block or KEY_BLOCK
-    )
-    return AttentionPlan(
-        n, m, c, history_offsets, candidate_offsets, addressing, shape,
-        all_rows=schedule.blocks(first_row=np.zeros_like(n)),
-        candidate_rows=schedule.blocks(first_row=n),
-    )
+    common = (n, m, c, history_offsets, candidate_offsets, addressing, shape)
+    if backend == "triton":
+        return AttentionPlan(*common, backend, None, None, _triton_arrays(*common, page_capacity), splits)
+    if backend != "blocked":
+        raise ValueError(f"unknown attention backend {backend!r}; choose blocked or triton")
+    schedule = _Scheduler(*common, query_block or QUERY_BLOCK, key_block or KEY_BLOCK)
+    return AttentionPlan(*common, backend, schedule.blocks(np.zeros_like(n)), schedule.blocks(n), None)
+
+
+def _triton_arrays(n, m, c, history_offsets, candidate_offsets, addressing, shape, page_capacity):
+    from model.attention.triton_attention import tile_capacity, tile_schedule
+
+    pad_users = shape.users - len(n)
+
+    def padded(user_offsets: np.ndarray) -> np.ndarray:  # [B + 1] -> [users + 1]: padding users are empty
+        return np.pad(user_offsets, (0, pad_users), mode="edge").astype(np.int32)
+
+    if addressing.paged:
+        indptr, indices = addressing.page_indptr, addressing.page_indices
+    else:
+        indptr, indices = np.zeros(len(n) + 1, np.int64), np.zeros(0, np.int64)
+    capacity = max(1, len(indices) if page_capacity is None else page_capacity)
+    if len(indices) > capacity:
+        raise ValueError(f"{len(indices)} pages do not fit the plan's page capacity of {capacity}")
+    exact = shape == BatchShape.exact(len(n), int(history_offsets[-1]), int(candidate_offsets[-1]))
+    tiles = None if exact else tile_capacity(shape.num_rows, shape.users)
+    arrays = {
+        "history_offsets": padded(history_offsets),
+        "candidate_offsets": padded(candidate_offsets),
+        "cached_lengths": np.pad(c, (0, pad_users)).astype(np.int32),
+        "page_indptr": padded(indptr),
+        "page_indices": np.pad(indices, (0, capacity - len(indices))).astype(np.int32),
+    }
+    for name, first_row in (("all", np.zeros_like(n)), ("candidates", n)):
+        users, rows = tile_schedule(n + m, first_row, tiles)
+        arrays[f"{name}.tile_users"], arrays[f"{name}.tile_rows"] = users, rows
+    return arrays
 
 
 class _Scheduler:

@@ -1,0 +1,200 @@
+"""HSTU attention for a whole batch in one Triton launch per layer, reading K/V from the page pool.
+
+Grid: (query tile, head, key split). A query tile is BLOCK_M consecutive rows of one user's
+query sequence [new history rows | candidates] (`tile_users`, `tile_rows`, planned on the host).
+It walks its user's keys BLOCK_N at a time, finding key j at
+
+    paged:       page_indices[page_indptr[b] + j // PAGE] * PAGE + j % PAGE   (rows of the pool)
+    contiguous:  history_offsets[b] + j                                       (rows of k/v)
+
+so the window is never gathered into a new tensor. Scores SiLU(α q·k) are masked in registers
+(history row i sees j <= c_b + i; a candidate sees j < c_b + n_b) and never written to memory;
+the candidate's own key/value (M-FALCON: itself, no other candidate) is added by the tile.
+Accumulation is in fp32. The key range stops at the tile's last row's key end, so blocks
+above the causal diagonal are never visited.
+
+HSTU has no softmax, so a long key range can be split across programs (`num_splits`) whose
+partial outputs simply add: with few users (batch 1) this keeps every SM busy. Partials go
+to an fp32 buffer [splits, T, H, D] summed afterwards in one op, so results do not depend on
+the order programs finish in (no atomics).
+
+Everything the kernel reads comes in as device tensors and every grid size is a host int from
+the plan, so the launch has no host sync and is captured by a CUDA graph as is. Without CUDA the
+tests run the kernel on CPU through Triton's interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py before triton is first imported: Triton decides at import and decoration
+time whether it compiles or interprets).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install may lack triton; the torch path serves then
+    triton = None
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+BLOCK_M = 64  # query rows per tile
+BLOCK_N = 64  # keys per step
+MAX_SPLITS = 16
+TARGET_PROGRAMS_PER_SM = 2
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def tile_schedule(query_lengths: np.ndarray, first_row: np.ndarray, capacity: int | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Query tiles of BLOCK_M rows covering rows first_row[b] .. query_lengths[b] - 1 of each user b.
+
+    -> (tile_users, tile_rows) int32 [capacity]; unused entries have user -1 (the program exits).
+    """
+    rows = np.maximum(np.asarray(query_lengths, np.int64) - first_row, 0)
+    tiles = -(-rows // BLOCK_M)
+    users = np.repeat(np.arange(len(rows), dtype=np.int64), tiles)
+    ranks = np.arange(len(users), dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    starts = first_row[users] + ranks * BLOCK_M
+    capacity = len(users) if capacity is None else capacity
+    if len(users) > capacity:
+        raise ValueError(f"{len(users)} query tiles do not fit the plan's capacity of {capacity}")
+    pad = capacity - len(users)
+    return (np.pad(users, (0, pad), constant_values=-1).astype(np.int32),
+            np.pad(starts, (0, pad)).astype(np.int32))
+
+
+def tile_capacity(num_rows: int, num_users: int) -> int:
+    """Most query tiles a batch of these row and user capacities can need."""
+    return -(-num_rows // BLOCK_M) + num_users
+
+
+def num_splits(num_tiles: int, num_heads: int, max_keys: int, device: torch.device) -> int:
+    """Key splits that keep ~TARGET_PROGRAMS_PER_SM programs per SM (1 off CUDA)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = -(-TARGET_PROGRAMS_PER_SM * sms // max(1, num_tiles * num_heads))
+    return int(max(1, min(MAX_SPLITS, wanted, -(-max_keys // BLOCK_N))))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _hstu_attention_kernel(
+        Q, K, V, KEYS, VALUES, OUT,
+        history_offsets, candidate_offsets, cached_lengths, page_indptr, page_indices, tile_users, tile_rows,
+        history_rows, alpha, inv_normalizer,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_keys_t, stride_keys_h, stride_values_t, stride_values_h,
+        stride_os, stride_ot, stride_oh,
+        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        tile, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        user = tl.load(tile_users + tile)
+        if user < 0:
+            return
+        row0 = tl.load(tile_rows + tile)
+        hist0 = tl.load(history_offsets + user)
+        n = tl.load(history_offsets + user + 1) - hist0
+        cand0 = tl.load(candidate_offsets + user)
+        m = tl.load(candidate_offsets + user + 1) - cand0
+        c = tl.load(cached_lengths + user)
+        window = c + n
+
+        rows = row0 + tl.arange(0, BM)  # rows of the user's query sequence
+        valid_row = rows < n + m
+        is_history = rows < n
+        q_rows = tl.where(is_history, hist0 + rows, history_rows + cand0 + rows - n)
+        key_end = tl.where(is_history, c + rows + 1, window)  # keys j < key_end are seen
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                    mask=valid_row[:, None], other=0.0)
+
+        last = tl.minimum(row0 + BM, n + m) - 1
+        tile_keys = tl.where(last < n, c + last + 1, window)
+        blocks = tl.cdiv(tile_keys, BN)
+        per_split = tl.cdiv(blocks, NUM_SPLITS)
+        first_block = split * per_split
+        last_block = tl.minimum(blocks, first_block + per_split)
+
+        acc = tl.zeros((BM, HEAD_DIM), dtype=tl.float32)
+        for block in range(first_block, last_block):
+            keys = block * BN + tl.arange(0, BN)
+            valid_key = keys < window
+            if PAGE_SIZE > 0:
+                page = tl.load(page_indices + tl.load(page_indptr + user) + keys // PAGE_SIZE, mask=valid_key, other=0)
+                key_rows = page.to(tl.int64) * PAGE_SIZE + keys % PAGE_SIZE
+            else:
+                key_rows = (hist0 + keys).to(tl.int64)
+            k = tl.load(KEYS + key_rows[:, None] * stride_keys_t + head * stride_keys_h + dims[None, :],
+                        mask=valid_key[:, None], other=0.0)
+            if UPCAST:
+                scores = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION)
+            scores = scores * alpha  # [BM, BN] fp32
+            scores = scores * tl.sigmoid(scores)
+            scores = tl.where(keys[None, :] < key_end[:, None], scores, 0.0)
+            v = tl.load(VALUES + key_rows[:, None] * stride_values_t + head * stride_values_h + dims[None, :],
+                        mask=valid_key[:, None], other=0.0)
+            if UPCAST:
+                acc += tl.dot(scores.to(q.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(scores.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+
+        if split == 0:  # a candidate also sees itself
+            own = valid_row & ~is_history
+            k_own = tl.load(K + q_rows[:, None] * stride_kt + head * stride_kh + dims[None, :],
+                            mask=own[:, None], other=0.0).to(tl.float32)
+            v_own = tl.load(V + q_rows[:, None] * stride_vt + head * stride_vh + dims[None, :],
+                            mask=own[:, None], other=0.0).to(tl.float32)
+            self_score = tl.sum(q.to(tl.float32) * k_own, axis=1) * alpha
+            self_score = self_score * tl.sigmoid(self_score)
+            acc += self_score[:, None] * v_own
+
+        out = OUT + split * stride_os + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        tl.store(out, (acc * inv_normalizer).to(OUT.dtype.element_ty), mask=valid_row[:, None])
+
+
+def triton_hstu_attention(
+    q: Tensor,  # [T, H, D] (rows may be strided; the last dim contiguous)
+    k: Tensor,
+    v: Tensor,
+    keys: Tensor,  # [R, H, D] the page pool's rows (paged) or k itself (contiguous)
+    values: Tensor,
+    arrays: dict[str, Tensor],  # int32: history_offsets, candidate_offsets, cached_lengths, page_indptr,
+    #                             page_indices, tile_users, tile_rows
+    history_rows: int,  # candidate rows start here
+    page_size: int,  # 0: contiguous keys
+    splits: int,
+    alpha: float,
+    normalizer: float,
+) -> Tensor:
+    """-> [T, H, D] in q's dtype; rows no tile covers are 0."""
+    T, H, D = q.shape
+    tiles = arrays["tile_users"].shape[0]
+    if splits > 1:
+        out = torch.zeros((splits, T, H, D), dtype=torch.float32, device=q.device)
+    else:
+        out = torch.zeros((1, T, H, D), dtype=q.dtype, device=q.device)
+    if tiles:
+        _hstu_attention_kernel[(tiles, H, splits)](
+            q, k, v, keys, values, out,
+            arrays["history_offsets"], arrays["candidate_offsets"], arrays["cached_lengths"],
+            arrays["page_indptr"], arrays["page_indices"], arrays["tile_users"], arrays["tile_rows"],
+            history_rows, alpha, 1.0 / normalizer,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            PAGE_SIZE=page_size, HEAD_DIM=D, BM=BLOCK_M, BN=BLOCK_N, NUM_SPLITS=splits,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 parity needs full-precision dots
+            UPCAST=_INTERPRETED and q.dtype != torch.float32,  # Triton's interpreter has no bf16/fp16 dot
+            num_warps=4, num_stages=2,
+        )
+    return out.sum(0).to(q.dtype) if splits > 1 else out[0]
