@@ -1,10 +1,14 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
-# Versions are pinned in requirements.txt; torchrec goes in with --no-deps (see setup.py).
+# The install set follows the machine: CUDA where `nvidia-smi` answers, CPU elsewhere;
+# `DEVICE=cuda` or `DEVICE=cpu` forces one. Versions are pinned in constraints.txt (docs/install.md).
 
 PYTHON      ?= python3
 VENV        := .venv
 PY          := $(VENV)/bin/python
-STAMP       := $(VENV)/.installed
+DEVICE      ?= $(shell nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+$(if $(filter $(DEVICE),cpu cuda),,$(error DEVICE must be cpu or cuda, got '$(DEVICE)'))
+STAMP       := $(VENV)/.installed-$(DEVICE)
+PIP         := $(PY) -m pip install -q -c constraints.txt
 ARTIFACTS   ?= artifacts/$(if $(DATA_DIR),kuairand-1k,synthetic)
 DATA_DIR    ?=
 DEMO_SCALE  ?= 0.005
@@ -16,20 +20,29 @@ DEMO_PRESET ?= demo
 DEMO_REQUESTS ?=
 TRAIN_SECONDS ?= 300
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean check-gpu-install
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-torchrec.txt setup.py
+# A venv holds one set: a missing stamp for this DEVICE (first run, another set, changed pins) rebuilds it.
+$(STAMP): constraints.txt requirements.txt requirements-$(DEVICE).txt requirements-torchrec.txt setup.py
+	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps -r requirements-torchrec.txt
+	$(PIP) -r requirements.txt -r requirements-$(DEVICE).txt
+	$(PIP) --no-deps -r requirements-torchrec.txt
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
+
+# Proves the CUDA set resolves, from PyPI's metadata only (no wheels are downloaded): pip's resolver in a dry run.
+check-gpu-install: $(STAMP)
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(PY) -m pip install --dry-run --ignore-installed --no-cache-dir \
+		--index-url https://pypi.org/simple -c constraints.txt \
+		-r requirements.txt -r requirements-cuda.txt -r requirements-torchrec.txt 2>&1 | tail -n 1
 
 demo: $(STAMP)
 ifeq ($(DATA_DIR),)

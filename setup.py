@@ -1,8 +1,9 @@
-"""Installable package: `pip install -e .` makes `data`, `model` and `kvcache` importable.
+"""Installable package: `pip install -e .` makes `data`, `model`, `kvcache` importable.
 
-Versions are pinned in requirements.txt (the one place); torchrec is listed separately in
-requirements-torchrec.txt because it must be installed with --no-deps (its declared
-dependency is the CUDA build of fbgemm-gpu, which would replace fbgemm-gpu-cpu).
+Versions are pinned in constraints.txt (the one place, docs/install.md). The device stack is
+an extra, so that a GPU machine never pulls fbgemm's CPU build: `pip install -e .[cuda] -c
+constraints.txt` or `.[cpu]`. torchrec is installed separately with --no-deps
+(requirements-torchrec.txt): its declared dependency is fbgemm's CUDA build.
 """
 from pathlib import Path
 
@@ -12,20 +13,24 @@ HERE = Path(__file__).parent
 TEST_ONLY = {"pytest", "hypothesis", "ruff"}
 
 
-def _requirements(name: str) -> list[str]:
-    lines = (HERE / name).read_text().splitlines()
-    reqs = [ln.split("#")[0].strip() for ln in lines]
-    return [r for r in reqs if r and r.split("==")[0] not in TEST_ONLY]
+def _names(requirements_file: str) -> list[str]:
+    lines = (HERE / requirements_file).read_text().splitlines()
+    names = [ln.split("#")[0].strip() for ln in lines]
+    return [n for n in names if n and n not in TEST_ONLY]
 
 
 setup(
     name="hstu-kvcache-inference",
-    version="0.1.0",
+    version="0.2.0",
     description="HSTU generative-recommender inference with a user-keyed paged KV cache",
     python_requires=">=3.10",
     packages=find_packages(include=["data", "data.*", "model", "model.*", "kvcache", "kvcache.*"]),
     py_modules=["preprocessor_inference"],
-    install_requires=_requirements("requirements.txt"),
-    extras_require={"test": ["pytest", "hypothesis", "ruff"]},
+    install_requires=_names("requirements.txt"),
+    extras_require={
+        "cpu": _names("requirements-cpu.txt"),
+        "cuda": _names("requirements-cuda.txt"),
+        "test": sorted(TEST_ONLY),
+    },
     entry_points={"console_scripts": ["hstu-preprocess=preprocessor_inference:main"]},
 )

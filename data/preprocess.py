@@ -51,7 +51,7 @@ class Events:
 def preprocess(
     data_dir: Path | str,
     output_dir: Path | str,
-    params: PreprocessParams = PreprocessParams(),
+    params: PreprocessParams | None = None,
     progress: bool = True,
 ) -> Manifest:
     """Preprocess a KuaiRand-1K directory into `output_dir` (replaced atomically).
@@ -59,6 +59,7 @@ def preprocess(
     Raises ValueError for bad parameters or output location and raw.RawDataError for bad
     input; in both cases nothing is written and an existing `output_dir` is untouched.
     """
+    params = params if params is not None else PreprocessParams()
     params.validate()
     out = Path(output_dir)
     _check_output_target(out)

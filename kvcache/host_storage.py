@@ -132,7 +132,7 @@ class HostKVStorage(ABC):
         (`failures`, `timeouts`, `corrupt_reads`, ...); what `CacheStats` reports as `tier_*`."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a tier holding no resources has nothing to do)
         """Release files, connections and threads. The manager closes the storage it built."""
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Union
 
 import numpy as np
 import torch
@@ -18,7 +17,7 @@ from torch import Tensor
 from .config import PageLayout
 from .paged_kvcache_ops import as_words
 
-Pages = Union[array, Sequence[int]]  # page ids; the pool hands out array("q")
+Pages = array | Sequence[int]  # page ids; the pool hands out array("q")
 
 
 class DevicePagePool:

@@ -28,6 +28,7 @@ in `FailOpenStorage`, both become misses. Nothing partial or unchecked is ever r
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import zlib
 from collections.abc import Collection
@@ -332,10 +333,8 @@ class RedisHostStorage(HostKVStorage):
         try:
             fill(dst)
         except BaseException:
-            try:
+            with contextlib.suppress(redis.RedisError):  # the fill error is the one to report
                 self.drop(user_id)  # the contract: a failed fill drops the entry (nothing was sent)
-            except redis.RedisError:
-                pass  # the fill error is the one to report
             raise
         rows = byte_rows(dst)
         pipe = self._redis.pipeline(transaction=False)

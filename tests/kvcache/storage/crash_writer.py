@@ -54,7 +54,8 @@ def main(directory: str) -> None:
             news = [rng.randint(1, 12) for _ in users]
             meta = mgr.prepare_kv_cache(users, begins, news, tags=[str(s).encode() for s in salts])
             by_user = dict(zip(users, salts))
-            append_batch(mgr, meta, new_token_kv(layout, meta, begins, lambda u, p: token_kv(layout, u, p, by_user[u])))
+            values = new_token_kv(layout, meta, begins, lambda u, p, by_user=by_user: token_kv(layout, u, p, by_user[u]))
+            append_batch(mgr, meta, values)
             mgr.commit(meta)
             mgr.offload_kv_cache(users)
             if not ready:  # the directory holds something from now on

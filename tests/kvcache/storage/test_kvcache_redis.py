@@ -1,4 +1,5 @@
 """RedisHostStorage against a real redis-server: the HostKVStorage contract, integrity, sharing, capacity."""
+import contextlib
 import importlib.util
 import json
 import sys
@@ -305,10 +306,9 @@ def test_concurrent_writers_and_a_reader_never_mix_writes(redis_server):
                 info = s.info(1)
                 if i % 3 == 0 and info is not None and info.length == 4 * n - 4:
                     first = n - 1  # incremental: valid only if the whole entry holds one value (checked by tags)
-                try:
-                    s.write(1, 0, 4 * n, first, lambda dst: dst.fill_(value), tag=str(value).encode())
-                except ValueError:
-                    pass  # the other writer changed the entry between info() and write(): a refused gap
+                # A ValueError: the other writer changed the entry between info() and write(), a refused gap.
+                with contextlib.suppress(ValueError):
+                    s.write(1, 0, 4 * n, first, lambda dst, value=value: dst.fill_(value), tag=str(value).encode())
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
