@@ -36,7 +36,7 @@ def _assert_holds(mgr, user, start, length, salt=0):
     for layer in range(mgr.config.num_layers):
         k, v = mgr.read_kv(user, layer)
         ek, ev = expected_kv(mgr.config.page_layout, user, start, length, layer, salt)
-        assert torch.equal(k, ek) and torch.equal(v, ev), f"user {user} layer {layer}"
+        assert torch.equal(k, ek.to(k.device)) and torch.equal(v, ev.to(v.device)), f"user {user} layer {layer}"
 
 
 def _snapshot(mgr, users):
@@ -82,8 +82,8 @@ def test_config_is_frozen_and_derives_layout():
 
 # ---------------------------------------------------------------- round trips
 @pytest.mark.parametrize("page_size", [1, 16, 32])
-def test_round_trip_across_pages_evictions_and_reloads(page_size):
-    mgr = KVCacheManager(_config(page_size=page_size, num_pages=4096 // page_size))
+def test_round_trip_across_pages_evictions_and_reloads(page_size, device):
+    mgr = KVCacheManager(_config(page_size=page_size, num_pages=4096 // page_size, device=device))
     visits = [(1, 0, 5), (2, 7, 40), (1, 5, 30), (3, 0, 1), (2, 47, 33), (1, 35, 1), (3, 1, 64)]
     expect = {}
     for i, (u, start, n) in enumerate(visits):

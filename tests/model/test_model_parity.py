@@ -61,36 +61,36 @@ def shuffle_tiers(cache, rng, users):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("use_prefix", [True, False])
-def test_random_visit_splits_match_full_recompute(seed, use_prefix):
+def test_random_visit_splits_match_full_recompute(seed, use_prefix, device):
     cfg = tiny_config(use_contextual_prefix=use_prefix)
-    model = sensitive_model(cfg, seed)
+    model = sensitive_model(cfg, seed).to(device)
     rng = np.random.default_rng(seed)
     histories = random_histories(rng, 6, (1, 40), cfg)
-    cache = make_cache(cfg, num_pages=200)
+    cache = make_cache(cfg, num_pages=200, device=device)
     rounds = replay_and_compare(model, cache, histories, rng, max_chunk=3 * cfg.page_size)
     assert rounds >= 2
     assert cache.stats().tokens_reused > 0
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_parity_under_eviction_offload_and_reload(page_size):
+def test_parity_under_eviction_offload_and_reload(page_size, device):
     cfg = tiny_config()
-    model = sensitive_model(cfg, 1)
+    model = sensitive_model(cfg, 1).to(device)
     rng = np.random.default_rng(page_size)
     histories = random_histories(rng, 8, (10, 60), cfg)
     # A device pool far below the working set: serving forces evictions and reloads.
-    cache = make_cache(cfg, num_pages=(3 * 64 + 24) // page_size + 8, page_size=page_size)
+    cache = make_cache(cfg, num_pages=(3 * 64 + 24) // page_size + 8, page_size=page_size, device=device)
     replay_and_compare(model, cache, histories, rng, max_chunk=20, between_rounds=shuffle_tiers)
     stats = cache.stats()
     assert stats.device_evictions > 0 and stats.onloaded_bytes > 0
 
 
-def test_parity_across_window_restarts():
+def test_parity_across_window_restarts(device):
     cfg = tiny_config(max_seq_len=40, window_stride=8)  # 3 prefix tokens + 37 events per window
-    model = sensitive_model(cfg, 2)
+    model = sensitive_model(cfg, 2).to(device)
     rng = np.random.default_rng(2)
     histories = random_histories(rng, 4, (90, 130), cfg)
-    cache = make_cache(cfg, num_pages=200)
+    cache = make_cache(cfg, num_pages=200, device=device)
     replay_and_compare(model, cache, histories, rng, max_chunk=12)
     assert any(int(model.layout.window_start(np.array([len(h.video_ids)]))[0]) > 0 for h in histories.values())
 
