@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -85,19 +86,33 @@ def read_columns(path: Path, column_types: dict[str, pa.DataType]) -> pa.Table:
     return table
 
 
+class ValueRange(NamedTuple):
+    """Values allowed in some integer columns, [low, high] (high None: unbounded); `problem`
+    describes an offending value (formatted with `value`)."""
+
+    columns: tuple[str, ...]
+    low: int
+    high: int | None
+    problem: str
+
+
+LOG_VALUE_RANGES = (
+    ValueRange(schema.LOG_ID_COLUMNS, 0, None, "negative id {value}"),
+    ValueRange(schema.ACTION_COLUMNS, 0, 1, "action flag must be 0 or 1, got {value}"),
+    ValueRange(
+        ("time_ms",), *schema.TIME_MS_RANGE,
+        f"{{value}} is outside the accepted time range {schema.TIME_MS_RANGE_TEXT}, "
+        f"i.e. epoch ms {schema.TIME_MS_RANGE[0]} .. {schema.TIME_MS_RANGE[1]}",
+    ),
+)  # fmt: skip
+
+
 def read_log(path: Path) -> pa.Table:
-    """One interaction log (all 19 int64 columns), checked: ids >= 0, action flags in {0, 1}."""
+    """One interaction log (all 19 int64 columns), checked against LOG_VALUE_RANGES."""
     table = read_columns(path, {c: pa.from_numpy_dtype(schema.LOG_DTYPE) for c in schema.LOG_COLUMNS})
-    if table.num_rows == 0:
-        return table
-    for name in (*schema.LOG_ID_COLUMNS, *schema.ACTION_COLUMNS):  # one min/max pass per column
-        column = table.column(name)
-        low, high = (v.as_py() for v in pc.min_max(column).values())
-        if name in schema.LOG_ID_COLUMNS and low < 0:
-            raise RawDataError(path, "negative id", column=name, line=_first_line(pc.less(column, 0)))
-        if name in schema.ACTION_COLUMNS and (low < 0 or high > 1):
-            bad = pc.or_(pc.less(column, 0), pc.greater(column, 1))
-            raise RawDataError(path, "action flag must be 0 or 1", column=name, line=_first_line(bad))
+    for allowed in LOG_VALUE_RANGES:
+        for name in allowed.columns:
+            _check_range(path, name, table.column(name), allowed)
     return table
 
 
@@ -108,10 +123,8 @@ def read_user_features(path: Path) -> pa.Table:
     types = {"user_id": pa.int64()}
     types.update({f.column: pa.string() if f.is_text else pa.float64() for f in schema.CONTEXT_FEATURES})
     table = read_columns(path, types)
-    user_id = table.column("user_id")
-    if len(user_id) and pc.min(user_id).as_py() < 0:
-        raise RawDataError(path, "negative id", column="user_id", line=_first_line(pc.less(user_id, 0)))
-    ids = user_id.to_numpy()
+    _check_range(path, "user_id", table.column("user_id"), LOG_VALUE_RANGES[0])
+    ids = table.column("user_id").to_numpy()
     order = np.argsort(ids, kind="stable")
     repeated = order[1:][ids[order[1:]] == ids[order[:-1]]]
     if len(repeated):
@@ -126,6 +139,21 @@ def read_user_features(path: Path) -> pa.Table:
     return table
 
 
+def _check_range(path: Path, name: str, column: pa.ChunkedArray, allowed: ValueRange) -> None:
+    """One min/max pass; the first offending row is located only when there is one."""
+    if len(column) == 0:
+        return
+    low, high = (v.as_py() for v in pc.min_max(column).values())
+    if low >= allowed.low and (allowed.high is None or high <= allowed.high):
+        return
+    bad = pc.less(column, allowed.low)
+    if allowed.high is not None:
+        bad = pc.or_(bad, pc.greater(column, allowed.high))
+    line = _first_line(bad)
+    value = column[line - 2].as_py()
+    raise RawDataError(path, allowed.problem.format(value=value), column=name, line=line)
+
+
 # ---------------------------------------------------------------- error location (slow path)
 def _first_line(mask: pa.ChunkedArray | pa.Array) -> int:
     """1-based CSV line of the first true row (row r is on line r + 2: line 1 is the header)."""
@@ -133,56 +161,74 @@ def _first_line(mask: pa.ChunkedArray | pa.Array) -> int:
 
 
 def _locate_read_error(path: Path, column_types: dict[str, pa.DataType], err: pa.ArrowInvalid) -> RawDataError:
-    """Turn a pyarrow read failure into a RawDataError with column and line."""
+    """Turn a pyarrow read failure into a RawDataError with line and, for a bad cell, column."""
     message = str(err)
-    if "CSV parse error" in message:  # ragged row: re-parse single-threaded to learn its line
-        found: list[tuple[int | None, int, int]] = []
-
-        def remember(row) -> str:
-            found.append((row.number, row.expected_columns, row.actual_columns))
-            return "error"
-
-        with contextlib.suppress(pa.ArrowInvalid):
-            pacsv.read_csv(
-                path,
-                read_options=pacsv.ReadOptions(use_threads=False),
-                parse_options=pacsv.ParseOptions(invalid_row_handler=remember),
-                convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in column_types}),
-            )
-        if found:
-            line, expected, actual = found[0]
-            return RawDataError(path, f"expected {expected} columns, got {actual}", line=line)
-        return RawDataError(path, message)
-    # Conversion error: read the suspect columns as text and find the first cell that
-    # pyarrow's own cast refuses (so the located cell is exactly the one the reader refused).
+    if "CSV parse error" in message:
+        return _locate_ragged_row(path, column_types, message)
+    # Conversion error: read the suspect columns as raw bytes and find the first cell that
+    # pyarrow's own casts refuse (so the located cell is exactly the one the reader refused).
     named = re.search(r"column #(\d+)", message)
     header = read_header(path)
     first = header[int(named.group(1))] if named and int(named.group(1)) < len(header) else None
     suspects = sorted(column_types, key=lambda c: c != first)  # the named column first
-    text = pacsv.read_csv(
-        path,
-        convert_options=pacsv.ConvertOptions(
-            column_types={c: pa.string() for c in suspects},
-            include_columns=suspects,
-            strings_can_be_null=True,  # empty cells are nulls, as in the typed read
-        ),
-    )
+    try:
+        cells_by_column = pacsv.read_csv(
+            path,
+            convert_options=pacsv.ConvertOptions(
+                column_types={c: pa.binary() for c in suspects},
+                include_columns=suspects,
+                strings_can_be_null=True,  # empty cells are nulls, as in the typed read
+            ),
+        )
+    except pa.ArrowInvalid as parse_err:  # a ragged row further on than the refused cell
+        return _locate_ragged_row(path, column_types, str(parse_err))
     for name in suspects:
-        cells = text.column(name).combine_chunks()
+        cells = cells_by_column.column(name).combine_chunks()
         row = _first_uncastable(cells, column_types[name])
         if row is not None:
-            return RawDataError(
-                path, f"cannot read {cells[row].as_py()!r} as {column_types[name]}", column=name, line=row + 2
-            )
+            return RawDataError(path, _unreadable(cells[row].as_py(), column_types[name]), column=name, line=row + 2)
     return RawDataError(path, message)
 
 
+def _locate_ragged_row(path: Path, column_types: dict[str, pa.DataType], message: str) -> RawDataError:
+    """Re-parse single-threaded with a handler that learns the line of the first ragged row.
+    Decoding as latin-1 (any byte is a character; lines and cells stay where they are) lets a
+    row with invalid UTF-8 reach the handler: pyarrow decodes a row's text before calling it."""
+    found: list[tuple[int | None, int, int]] = []
+
+    def remember(row) -> str:
+        found.append((row.number, row.expected_columns, row.actual_columns))
+        return "error"
+
+    with contextlib.suppress(pa.ArrowInvalid):
+        pacsv.read_csv(
+            path,
+            read_options=pacsv.ReadOptions(use_threads=False, encoding="latin-1"),
+            parse_options=pacsv.ParseOptions(invalid_row_handler=remember),
+            convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in column_types}),
+        )
+    if found:
+        line, expected, actual = found[0]
+        return RawDataError(path, f"expected {expected} columns, got {actual}", line=line)
+    return RawDataError(path, message)
+
+
+def _unreadable(cell: bytes, dtype: pa.DataType) -> str:
+    """What is wrong with a raw cell that does not cast to `dtype`."""
+    try:
+        text = cell.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return f"invalid UTF-8 at byte {err.start + 1} of {cell!r}"
+    return f"cannot read {text!r} as {dtype}"
+
+
 def _first_uncastable(cells: pa.Array, dtype: pa.DataType) -> int | None:
-    """Index of the first cell that does not cast to `dtype` (binary search over slices)."""
+    """Index of the first raw cell that does not decode as UTF-8 and cast to `dtype` (binary
+    search over slices)."""
 
     def casts(lo: int, hi: int) -> bool:
         try:
-            pc.cast(cells.slice(lo, hi - lo), dtype)
+            pc.cast(pc.cast(cells.slice(lo, hi - lo), pa.string()), dtype)
             return True
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             return False

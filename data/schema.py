@@ -59,6 +59,11 @@ DAY_MS = 24 * 3600 * 1000
 EARLY_DATES = (20220408, 20220421)  # inclusive, the early standard log
 LATE_DATES = (20220422, 20220508)  # inclusive, the late standard log and the random log
 LONG_VIEW_CAP_MS = 18_000  # long_view threshold: min(duration_ms, 18 s)
+# Accepted time_ms, [first, last]: 2000-01-01 00:00 UTC up to (not including) 2100-01-01 00:00 UTC.
+# KuaiRand-1K is April-May 2022; the window is generous, and keeps every difference of two
+# times (visit gaps, sort keys) far from int64 overflow.
+TIME_MS_RANGE = (946_684_800_000, 4_102_444_800_000 - 1)
+TIME_MS_RANGE_TEXT = "2000-01-01 .. 2100-01-01 (UTC, end excluded)"
 
 
 def beijing_date_hourmin(time_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -84,9 +84,10 @@ def write_raw_dir(
     return data
 
 
-def snapshot(root: Path) -> dict[str, bytes]:
-    """Every file under `root` (relative path -> bytes): to prove a directory unchanged."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every file and directory under `root` (relative path -> bytes, None for a directory): to
+    prove a directory unchanged, empty directories included."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
 
 
 # ---- generated, preprocessed data -----------------------------------------------------
