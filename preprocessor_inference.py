@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset_name", required=True, help="only 'kuairand-1k' is supported")
     parser.add_argument("--data_dir", required=True, type=Path, help="KuaiRand-1K/data (or the KuaiRand-1K folder)")
-    parser.add_argument("--output_dir", required=True, type=Path, help="replaced atomically on success")
+    parser.add_argument("--output_dir", required=True, type=Path,
+                        help="written atomically: created, or replacing a previous output (its files only); "
+                             "must not be, hold or lie inside the input directory")
     parser.add_argument("--session_gap_minutes", type=float, default=_DEFAULTS.session_gap_minutes,
                         help="inactivity that ends a visit (default %(default)s)")
     parser.add_argument("--num_candidates", type=int, default=_DEFAULTS.num_candidates,

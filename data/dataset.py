@@ -7,6 +7,7 @@ are ~300 MB), so serving any event range of any user is two array slices. The ca
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -15,11 +16,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data import jagged, schema
+from data import jagged, output, schema
 from data.batch import VisitBatch
 from data.manifest import Manifest
 from data.requests import RequestTable
 
+log = logging.getLogger(__name__)
 
 class UserEvents(NamedTuple):
     video_ids: np.ndarray  # [n] int64
@@ -46,11 +48,17 @@ class UnknownUserError(ValueError):
 
 class InferenceDataset:
     def __init__(self, root: Path | str):
-        """Load `root` (an output of preprocessor_inference.py). Raises FileNotFoundError
-        or ValueError naming the file and the problem when it is missing or inconsistent."""
-        self.root = Path(root)
-        if not self.root.is_dir():
-            raise FileNotFoundError(f"{self.root}: preprocessed output directory not found")
+        """Load `root` (an output of preprocessor_inference.py; see data.output.readable_output
+        for a run killed while replacing it). Raises FileNotFoundError or ValueError naming the
+        file and the problem when it is missing or inconsistent."""
+        requested = Path(root)
+        source = output.readable_output(requested)
+        if source is None:
+            raise FileNotFoundError(f"{requested}: preprocessed output directory not found")
+        if source != requested:
+            log.warning("%s is missing: reading %s, the complete output a killed preprocessing run left "
+                        "beside it (the next run into %s puts things in place)", requested, source, requested)
+        self.root = source
         self.manifest = Manifest.read(self.root / schema.MANIFEST_FILE)
         sequences = pq.read_table(self._file(schema.SEQUENCES_FILE))
         requests = pq.read_table(self._file(schema.REQUESTS_FILE))

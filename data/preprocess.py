@@ -10,9 +10,8 @@ cost a small multiple of just parsing the CSVs.
 """
 from __future__ import annotations
 
-import shutil
+import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,9 +23,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from data import raw, schema
+from data import output, raw, schema
 from data.manifest import Counts, FeatureVocab, Manifest, PreprocessParams
-from data.requests import RequestTable, split_requests
+from data.requests import split_requests
 
 # Columns that, with user_id, time_ms and video_id, make a row "exactly equal" to another
 # (the eight 0/1 action flags enter through action_weights, which encodes them losslessly).
@@ -54,16 +53,17 @@ def preprocess(
     params: PreprocessParams | None = None,
     progress: bool = True,
 ) -> Manifest:
-    """Preprocess a KuaiRand-1K directory into `output_dir` (replaced atomically).
+    """Preprocess a KuaiRand-1K directory into `output_dir` (replaced atomically; default params).
 
-    Raises ValueError for bad parameters or output location and raw.RawDataError for bad
-    input; in both cases nothing is written and an existing `output_dir` is untouched.
+    Raises ValueError for bad parameters, output.OutputDirError for an output location that is
+    unsafe to replace and raw.RawDataError for bad input; in all cases nothing is written and
+    an existing `output_dir` is untouched. See data/output.py for the replacement protocol.
     """
     params = params if params is not None else PreprocessParams()
     params.validate()
-    out = Path(output_dir)
-    _check_output_target(out)
+    out = Path(os.path.abspath(output_dir))  # "." and ".." resolved, symlinks kept (and refused)
     src = raw.find_data_dir(data_dir)
+    output.check_target(out, src)
     log_paths = [raw.required_file(src, name) for name in schema.STANDARD_LOGS]
     features_path = raw.required_file(src, schema.USER_FEATURES)
 
@@ -101,7 +101,13 @@ def preprocess(
         )
         stage("write")
         sequences = _sequences_table(events, features, vocabs)
-        _write_atomically(out, sequences, split.requests, manifest)
+
+        def write(directory: Path) -> None:
+            pq.write_table(sequences, directory / schema.SEQUENCES_FILE, compression="zstd", use_dictionary=False)
+            pq.write_table(split.requests.to_arrow(), directory / schema.REQUESTS_FILE, compression="zstd")
+            (directory / schema.MANIFEST_FILE).write_text(manifest.to_json())  # last: marks the output complete
+
+        output.replace_output(out, write, src)
     return manifest
 
 
@@ -316,40 +322,6 @@ def _sequences_table(events: Events, features: np.ndarray, vocabs: tuple[Feature
     for j, vocab in enumerate(vocabs):
         columns[vocab.name] = pa.array(features[:, j], pa.int64())
     return pa.table(columns)
-
-
-def _check_output_target(out: Path) -> None:
-    """Refuse to replace anything that is not a previous output (or empty), before any work."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out}: output path exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / schema.MANIFEST_FILE).is_file():
-        raise ValueError(
-            f"{out}: refusing to replace a non-empty directory that is not a preprocessed output "
-            f"(it has no {schema.MANIFEST_FILE})"
-        )
-
-
-def _write_atomically(out: Path, sequences: pa.Table, requests: RequestTable, manifest: Manifest) -> None:
-    """Write into a temp dir beside `out`, then swap it in: readers never see a partial output."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        pq.write_table(sequences, tmp / schema.SEQUENCES_FILE, compression="zstd", use_dictionary=False)
-        pq.write_table(requests.to_arrow(), tmp / schema.REQUESTS_FILE, compression="zstd")
-        (tmp / schema.MANIFEST_FILE).write_text(manifest.to_json())
-        if out.exists():
-            old = tmp.with_name(tmp.name.replace(".tmp-", ".old-"))
-            out.rename(old)
-            try:
-                tmp.rename(out)
-            except BaseException:
-                old.rename(out)
-                raise
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
 
 
 @contextmanager
