@@ -1,6 +1,6 @@
 """Replay KuaiRand-1K visits in time order with the KV cache and with full recompute.
 
-    python benchmark/inference_end2end_example.py --data_dir artifacts/processed \
+    python benchmark/inference_end2end_example.py --data_dir artifacts/processed \\
         --checkpoint artifacts/checkpoint --output artifacts/end2end.json
 
 Both passes serve the same visits (from --from_date on) through model.InferenceSession.
@@ -24,49 +24,15 @@ import torch
 
 from data.dataset import InferenceDataset
 from data.schema import TASKS
+from end2end_args import DTYPES, build_parser, parse_args, plot_path, refuse
 from kvcache import KVCacheConfig, KVCacheManager, PageLayout
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
 from model.inference import InferenceSession
 from model.recommender import HSTURecommender
 from model.replay import ReplayPass, compare, replay
-from model.train import DEFAULT_SPLIT_DATE, config_for_dataset, date_to_ms
+from model.train import config_for_dataset, date_to_ms
 
 log = logging.getLogger("end2end")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data_dir", required=True, help="preprocessor_inference.py output directory")
-    p.add_argument("--checkpoint", help="model.train output directory (omit for a random-init model)")
-    p.add_argument("--preset", default="demo", help="model preset when no checkpoint is given")
-    p.add_argument("--from_date", type=int, default=DEFAULT_SPLIT_DATE, help="YYYYMMDD: replay visits from this day")
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--max_requests", type=int, default=None)
-    p.add_argument("--kv_pages", type=int, default=None,
-                   help="device pages (default: a quarter of the replayed users' working set, "
-                        "at least a batch of the largest windows)")
-    p.add_argument("--host_capacity", type=int, default=None,
-                   help="host tier bytes (default: room for every replayed user)")
-    p.add_argument("--page_size", type=int, default=None, help="tokens per page (default: the model's)")
-    p.add_argument("--async_offload", action="store_true")
-    p.add_argument("--kv_tier", choices=["memory", "disk", "redis"], default="memory",
-                   help="tier below the in-memory host tier: none, a persistent directory, or a Redis server")
-    p.add_argument("--kv_dir", default=None, help="directory of the persistent tier (--kv_tier disk)")
-    p.add_argument("--redis_url", default=None, help="redis://host:port/db of the shared tier (--kv_tier redis)")
-    p.add_argument("--tier_capacity", type=int, default=8 << 30, help="bytes the disk or Redis tier may use")
-    p.add_argument("--no_warmup", action="store_true",
-                   help="start the cached pass cold instead of serving each user's last earlier visit first")
-    p.add_argument("--no_compare", action="store_true", help="skip the full-recompute pass")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--tolerance", type=float, default=None, help="max |logit diff| (default 1e-4 fp32, 0.1 bf16)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--output", default="end2end.json")
-    p.add_argument("--plot", default=None, help="PNG path (default: beside --output)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    return p.parse_args(argv)
 
 
 def load_model(args: argparse.Namespace, dataset: InferenceDataset) -> HSTURecommender:
@@ -87,17 +53,27 @@ def load_model(args: argparse.Namespace, dataset: InferenceDataset) -> HSTURecom
     return model.to(DTYPES[args.dtype]).eval()
 
 
+def window_pages(model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray, page_size: int) -> np.ndarray:
+    """[n] pages the window of each request occupies in the cache."""
+    return -(-model.layout.window_tokens(dataset.requests.end[indices]) // page_size)
+
+
 def working_set_pages(model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray,
                       page_size: int) -> tuple[int, int]:
     """-> (pages to keep every replayed user's largest window on the device at once,
            pages of the largest single window)."""
-    ends = dataset.requests.end[indices]
     users = dataset.requests.user_id[indices]
-    pages = -(-model.layout.window_tokens(ends) // page_size)
     largest = {}
-    for u, n in zip(users.tolist(), pages.tolist()):
+    for u, n in zip(users.tolist(), window_pages(model, dataset, indices, page_size).tolist()):
         largest[u] = max(largest.get(u, 0), n)
     return sum(largest.values()), max(largest.values())
+
+
+def largest_batch_pages(model: HSTURecommender, dataset: InferenceDataset, batches: list[np.ndarray],
+                        page_size: int) -> int:
+    """The fewest device pages that serve every batch: the users of a batch cannot evict one
+    another, so the pool must hold all their windows at once."""
+    return max((int(window_pages(model, dataset, b, page_size).sum()) for b in batches), default=0)
 
 
 def warmup_batches(dataset: InferenceDataset, indices: np.ndarray, from_ms: int, batch_size: int) -> list[np.ndarray]:
@@ -112,31 +88,31 @@ def warmup_batches(dataset: InferenceDataset, indices: np.ndarray, from_ms: int,
     return list(dataset.batches(last, batch_size))
 
 
-def make_cache(args: argparse.Namespace, model: HSTURecommender, working_set: int, largest_window: int,
-               page_size: int, fingerprint: str) -> KVCacheManager:
+def cache_config(args: argparse.Namespace, model: HSTURecommender, working_set: int, largest_window: int,
+                 page_size: int, fingerprint: str) -> KVCacheConfig:
     """By default the device pool holds a quarter of the working set (so users are evicted and
     reloaded) but always at least one full batch of the largest windows."""
     cfg = model.config
-    num_pages = args.kv_pages or max(working_set // 4, args.batch_size * largest_window)
+    num_pages = args.kv_pages
+    if num_pages is None:
+        num_pages = max(working_set // 4, args.batch_size * largest_window)
     bytes_per_page = PageLayout(cfg.num_layers, cfg.num_heads, cfg.head_dim, page_size, DTYPES[args.dtype]).page_nbytes
-    host_capacity = args.host_capacity or int(working_set * bytes_per_page * 1.5) + bytes_per_page
-    return KVCacheManager(KVCacheConfig(
+    host_capacity = args.host_capacity
+    if host_capacity is None:
+        host_capacity = int(working_set * bytes_per_page * 1.5) + bytes_per_page
+    return KVCacheConfig(
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=page_size,
         num_pages=num_pages, dtype=DTYPES[args.dtype], device=args.device, host_capacity_bytes=host_capacity,
         async_offload=args.async_offload, **tier_settings(args, fingerprint),
-    ))
+    )
 
 
 def tier_settings(args: argparse.Namespace, fingerprint: str) -> dict:
     """KVCacheConfig fields of the tier below host memory. Redis keys are namespaced by the
     model fingerprint, so nodes serving another model never read these K/V."""
     if args.kv_tier == "disk":
-        if not args.kv_dir:
-            raise ValueError("--kv_tier disk needs --kv_dir")
         return {"persistent_dir": args.kv_dir, "persistent_capacity_bytes": args.tier_capacity}
     if args.kv_tier == "redis":
-        if not args.redis_url:
-            raise ValueError("--kv_tier redis needs --redis_url")
         return {"redis_url": args.redis_url, "redis_namespace": fingerprint, "redis_capacity_bytes": args.tier_capacity}
     return {}
 
@@ -166,35 +142,47 @@ def plot(passes: list[ReplayPass], path: Path, batch_size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = parse_args(argv)
-    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
-    # Everything that can be refused is checked before the long work starts.
+    parser = build_parser(__doc__)
+    try:
+        args = parse_args(parser, argv)
+    except SystemExit as stop:  # argparse printed the error (or --help)
+        return int(stop.code or 0)
+    # What needs the data or the model is checked next, still before the long work.
     try:
         dataset = InferenceDataset(args.data_dir)
+    except (FileNotFoundError, ValueError) as err:
+        return refuse(parser, f"--data_dir: {err}")
+    try:
         model = load_model(args, dataset)
     except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refuse(parser, f"{'--checkpoint' if args.checkpoint else '--preset'}: {err}")
     from_ms = date_to_ms(args.from_date)
     indices = dataset.request_indices(from_time_ms=from_ms, max_requests=args.max_requests)
     if len(indices) == 0:
-        print(f"error: no visits in {args.data_dir} on or after {args.from_date}", file=sys.stderr)
-        return 2
-    page_size = args.page_size or model.config.page_size
-    pages_needed, largest_window = working_set_pages(model, dataset, indices, page_size)
-    fingerprint = model_fingerprint(model)
-    try:
-        cache = make_cache(args, model, pages_needed, largest_window, page_size, fingerprint)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refuse(parser, f"--from_date {args.from_date}: no visits in {args.data_dir} on or after that day")
+    page_size = args.page_size if args.page_size is not None else model.config.page_size
     batches = list(dataset.batches(indices, args.batch_size))
+    warmup = [] if args.no_warmup else warmup_batches(dataset, indices, from_ms, args.batch_size)
+    pages_needed, largest_window = working_set_pages(model, dataset, indices, page_size)
+    batch_pages = largest_batch_pages(model, dataset, warmup + batches, page_size)
+    if args.kv_pages is not None and args.kv_pages < batch_pages:
+        return refuse(parser, f"--kv_pages {args.kv_pages} is too small: the largest batch of this replay needs "
+                              f"{batch_pages} pages of {page_size} tokens (give at least that, or a smaller --batch_size)")
+    fingerprint = model_fingerprint(model)
+    config = cache_config(args, model, pages_needed, largest_window, page_size, fingerprint)
+    try:
+        cache = KVCacheManager(config)
+    except RuntimeError as err:  # the device pool is allocated up front
+        return refuse(parser, f"the device pool of {config.num_pages} pages x {page_size} tokens "
+                              f"({config.device_nbytes / 2**30:.1f} GiB) cannot be allocated on {config.device}: "
+                              f"lower --kv_pages or --page_size ({str(err).splitlines()[0]})")
+    except OSError as err:
+        return refuse(parser, f"--kv_dir {args.kv_dir}: {err}")
     log.info("replaying %d visits of %d users in %d batches; device pool %d pages for a working set of %d pages",
              len(indices), len(np.unique(dataset.requests.user_id[indices])), len(batches),
              cache.config.num_pages, pages_needed)
 
     cached_session = InferenceSession(model, dataset, kv_cache=cache, model_fingerprint=fingerprint)
-    warmup = [] if args.no_warmup else warmup_batches(dataset, indices, from_ms, args.batch_size)
     if warmup:
         replay(cached_session, warmup, "warm-up", progress=not args.quiet)
         cache.wait()
@@ -230,26 +218,26 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if full is not None:
         parity = compare(cached, full)
-        ok = parity.within(tolerance)
+        ok = parity.within(args.tolerance)
         report.update({
             "speedup": full.seconds / cached.seconds,
             "max_abs_logit_diff": parity.max_abs_diff,
             "logit_scale": parity.logit_scale,
             "worst_request_id": parity.worst_request_id,
-            "tolerance": tolerance,
+            "tolerance": args.tolerance,
             "parity": "pass" if ok else "FAIL",
         })
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    plot_path = Path(args.plot) if args.plot else output.with_suffix(".png")
-    plot(passes, plot_path, args.batch_size)
-    report["plot"] = str(plot_path)
+    png = plot_path(args)
+    plot(passes, png, args.batch_size)
+    report["plot"] = str(png)
     output.write_text(json.dumps(report, indent=2, default=_json_default))
     print_summary(report, passes, task_names)
-    print(f"\nresults: {output}\nplot:    {plot_path}")
+    print(f"\nresults: {output}\nplot:    {png}")
     if not ok:
         print(f"error: cached and full-recompute logits differ by {report['max_abs_logit_diff']:.3g} "
-              f"(> {tolerance:g}) at request {report['worst_request_id']}", file=sys.stderr)
+              f"(> {args.tolerance:g}) at request {report['worst_request_id']}", file=sys.stderr)
         return 1
     return 0
 
