@@ -154,6 +154,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--no_warmup", action="store_true",
                    help="start the cached pass cold instead of serving each user's last earlier visit first")
     p.add_argument("--no_compare", action="store_true", help="skip the full-recompute pass")
+    p.add_argument("--no_cost_probe", action="store_true",
+                   help="skip counting ops, syncs and GPU-busy time per batch (a short untimed replay per pass)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model and cache dtype (default %(default)s)")
     p.add_argument("--tolerance", type=non_negative_number, default=None,
                    help="max |logit diff|, a finite number >= 0 (default 1e-4 fp32, 0.1 bf16)")

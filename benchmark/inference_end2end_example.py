@@ -13,6 +13,7 @@ JSON file and to a PNG (latency against history length).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -31,6 +32,7 @@ from model.inference import InferenceSession
 from model.recommender import HSTURecommender
 from model.replay import ReplayPass, compare, replay
 from model.train import config_for_dataset, date_to_ms
+from serving_cost import ServingCost, probe, probed_batches
 
 log = logging.getLogger("end2end")
 
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         full = replay(InferenceSession(model, dataset), batches, "full recompute", progress=not args.quiet)
         passes.append(full)
 
+    costs = {} if args.no_cost_probe else probe_costs(args, model, dataset, config, fingerprint, batches, from_ms)
     task_names = TASKS
     report = {
         "num_requests": cached.num_requests,
@@ -212,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "auc": {p.name: p.auc(task_names) for p in passes},
         "cache": asdict(cache.stats()),
         "tag_mismatches": cached_session.tag_mismatches,
+        "serving_cost": {name: None if c is None else asdict(c) for name, c in costs.items()},
         "cache_config": {"num_pages": cache.config.num_pages, "page_size": page_size, "tier": args.kv_tier,
                          "working_set_pages": pages_needed, "host_capacity_bytes": cache.config.host_capacity_bytes},
     }
@@ -242,6 +246,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def probe_costs(args: argparse.Namespace, model: HSTURecommender, dataset: InferenceDataset, config: KVCacheConfig,
+                fingerprint: str, batches: list[np.ndarray], from_ms: int) -> dict[str, ServingCost | None]:
+    """Ops, syncs and (CUDA) GPU-busy fraction per served batch of each pass, on sessions of their
+    own after the timed passes. The cached probe's cache keeps only the in-memory host tier, so it
+    never touches the persistent or shared tier the replay used."""
+    probed = probed_batches(batches)
+    warmup = [] if args.no_warmup else warmup_batches(dataset, np.concatenate(probed), from_ms, args.batch_size)
+    probe_config = dataclasses.replace(config, persistent_dir=None, redis_url=None)
+    caches: list[KVCacheManager] = []
+
+    def cached_session() -> InferenceSession:
+        caches.append(KVCacheManager(probe_config))
+        return InferenceSession(model, dataset, kv_cache=caches[-1], model_fingerprint=fingerprint)
+
+    costs = {"kv cache": probe(cached_session, warmup, probed, model.device, close=lambda: caches[-1].close())}
+    if not args.no_compare:
+        costs["full recompute"] = probe(lambda: InferenceSession(model, dataset), [], probed, model.device)
+    return costs
+
+
 def print_summary(report: dict, passes: list[ReplayPass], task_names: tuple[str, ...]) -> None:
     rows = [("", *[p.name for p in passes])]
     rows.append(("requests", *[str(p.num_requests) for p in passes]))
@@ -251,6 +275,13 @@ def print_summary(report: dict, passes: list[ReplayPass], task_names: tuple[str,
         rows.append((f"latency {q} (ms)", *[f"{report['latency_ms'][p.name][q]:.1f}" for p in passes]))
     rows.append(("tokens computed", *[f"{p.tokens_computed:,}" for p in passes]))
     rows.append(("tokens reused", *[f"{p.tokens_reused:,}" for p in passes]))
+    costs = report.get("serving_cost") or {}
+    if all(costs.get(p.name) for p in passes):
+        rows.append(("aten ops per batch", *[f"{costs[p.name]['ops_per_batch']:,.0f}" for p in passes]))
+        rows.append(("kernel ops per batch", *[f"{costs[p.name]['kernel_ops_per_batch']:,.0f}" for p in passes]))
+        rows.append(("host syncs per batch", *[f"{costs[p.name]['sync_ops_per_batch']:.0f}" for p in passes]))
+        if all(costs[p.name]["gpu_busy"] is not None for p in passes):
+            rows.append(("GPU busy", *[f"{costs[p.name]['gpu_busy']:.0%}" for p in passes]))
     for task in task_names:
         rows.append((f"AUC {task}", *[_fmt_auc(report["auc"][p.name][task]) for p in passes]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -55,6 +55,12 @@ def test_cached_and_full_recompute_agree_end_to_end(pipeline, tmp_path):
     assert Path(result["plot"]).is_file() and Path(result["plot"]).stat().st_size > 0
     for p in ("p50", "p90", "p99"):
         assert result["latency_ms"]["kv cache"][p] > 0
+    # The untimed probe counted each pass's ops: work was done, and no op made the host wait.
+    for name in ("kv cache", "full recompute"):
+        cost = result["serving_cost"][name]
+        assert cost["batches_counted"] > 0 and cost["kernel_ops_per_batch"] > 0
+        assert cost["ops_per_batch"] >= cost["kernel_ops_per_batch"]
+        assert cost["sync_ops_per_batch"] == 0
 
 
 def test_random_init_warns_and_no_compare_skips_the_full_pass(pipeline, tmp_path, caplog):

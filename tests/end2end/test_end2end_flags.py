@@ -127,7 +127,7 @@ def test_the_real_script_exits_2_with_one_error(flags: list[str], fragment: str,
 
 # ---------------------------------------------------------------- refusals that need the data
 def random_model_flags(processed: Path, tmp_path: Path) -> list[str]:
-    return ["--data_dir", str(processed), "--preset", "tiny", "--no_compare", "--max_requests", "12",
+    return ["--data_dir", str(processed), "--preset", "tiny", "--no_compare", "--no_cost_probe", "--max_requests", "12",
             "--batch_size", "4", "--output", str(tmp_path / "r.json")]  # fmt: skip
 
 
