@@ -13,7 +13,7 @@ from data import schema
 from data.synthetic import SyntheticConfig, generate
 from helpers import BEIJING
 
-# Written out from KUAIRAND_1K.md, not derived from data.schema.
+# Written out from the published KuaiRand-1K file description, not derived from data.schema.
 LOG_HEADER = (
     "user_id,video_id,date,hourmin,time_ms,is_click,is_like,is_follow,is_comment,is_forward,"
     "is_hate,long_view,play_time_ms,duration_ms,profile_stay_time,comment_stay_time,"
