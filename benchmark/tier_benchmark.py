@@ -34,9 +34,9 @@ import torch
 from tqdm import tqdm
 
 from kvcache import HostKVStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, paged_kvcache_ops
-from kvcache.disk_storage import DiskHostStorage
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
-from kvcache.redis_storage import RedisHostStorage
+from kvcache.storage import DiskHostStorage
+from kvcache.storage.redis_tier import RedisHostStorage
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
 from workloads import visit_batches

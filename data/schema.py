@@ -2,7 +2,7 @@
 
 Every other module (loader, generator, preprocessor, dataset, tests) asks this file, so
 the raw format and the preprocessed format are each defined exactly once.
-Facts come from /work/shared/KUAIRAND_1K.md (the published dataset description).
+The facts follow the dataset's published description (KuaiRand, Gao et al., CIKM 2022).
 """
 from __future__ import annotations
 

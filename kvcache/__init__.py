@@ -8,21 +8,29 @@
                    k_all, v_all = paged_kvcache_ops.gather_kvcache(mgr.k_cache(l), mgr.v_cache(l), meta.kv_slots)
     mgr.commit(meta)   # or mgr.rollback(meta) if the forward failed
 
-Host tiers (in-memory, persistent directory, shared Redis) chain behind the device:
-KVCacheConfig(..., persistent_dir=..., redis_url=..., redis_namespace=model_fingerprint).
+Storage tiers (`kvcache.storage`: host memory, a persistent directory, a shared Redis) chain
+behind the device: KVCacheConfig(..., persistent_dir=..., redis_url=..., redis_namespace=...).
 """
 from . import paged_kvcache_ops
 from .config import KVCacheConfig, PageLayout
-from .disk_storage import DiskHostStorage
 from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
 from .events import CacheEvent, CacheEventListener, CacheLocation
-from .fail_open import FailOpenStorage
-from .host_storage import HostEntry, HostKVStorage, HostPages, HostWriteResult, InMemoryHostStorage, TierDataError
 from .manager import KVCacheManager
 from .metadata import KVCacheMetadata
 from .policy import EvictionPolicy, LFUPolicy, LRUPolicy
 from .stats import CacheStats
-from .tiered_storage import TieredHostStorage, build_host_storage
+from .storage import (
+    DiskHostStorage,
+    FailOpenStorage,
+    HostEntry,
+    HostKVStorage,
+    HostPages,
+    HostWriteResult,
+    InMemoryHostStorage,
+    TierDataError,
+    TieredHostStorage,
+    build_host_storage,
+)
 
 __all__ = [
     "CacheEvent",

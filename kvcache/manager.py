@@ -33,13 +33,12 @@ from . import paged_kvcache_ops
 from .config import KVCacheConfig
 from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
 from .events import CacheEventListener, CacheEvents
-from .host_storage import HostEntry, HostKVStorage, HostPages
 from .metadata import KVCacheMetadata, build_metadata, token_slots
 from .offload import OffloadWorker
 from .policy import make_policy
 from .pool import DevicePagePool
 from .stats import CacheStats, new_counters, tier_counters
-from .tiered_storage import build_host_storage
+from .storage import HostEntry, HostKVStorage, HostPages, build_host_storage
 from .validation import UserIds, check_continues, check_expected, check_range, int_list, tag_list
 
 _NOTHING = HostEntry(0, 0)

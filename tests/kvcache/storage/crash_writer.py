@@ -12,7 +12,8 @@ import signal
 import sys
 
 from helpers import DISK_RESTART_CFG as CFG
-from kvcache import KVCacheConfig, KVCacheManager, disk_storage
+from kvcache import KVCacheConfig, KVCacheManager
+from kvcache.storage import disk_tier
 from kvcache.testing import append_batch, new_token_kv, token_kv
 
 
@@ -20,7 +21,7 @@ def die_in_commit(after: int) -> None:
     """SIGKILL this process in the middle of the `after`-th index commit: the new pages are on disk,
     the new index half-written to its temporary file, the old index still in place."""
     calls = [0]
-    atomic_write = disk_storage._atomic_write
+    atomic_write = disk_tier._atomic_write
 
     def dying(path, data, fsync):
         calls[0] += 1
@@ -30,7 +31,7 @@ def die_in_commit(after: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         atomic_write(path, data, fsync)
 
-    disk_storage._atomic_write = dying
+    disk_tier._atomic_write = dying
 
 
 def main(directory: str) -> None:

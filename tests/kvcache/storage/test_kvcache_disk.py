@@ -146,7 +146,7 @@ def test_bytes_stay_within_capacity_with_a_working_set_many_times_larger(tmp_pat
         assert all(s.info(v) is None for v, _ in result.evicted)
     on_disk = sum(p.stat().st_size for p in Path(tmp_path, "users").rglob("*") if p.is_file())
     assert on_disk == s.bytes_used <= capacity and s.num_users < 50
-    recent = next(reversed(s._entries))
+    recent = list(s._users)[-1]
     s.close()
     smaller = _open(tmp_path, capacity // 2)  # a restart with a smaller budget evicts down to it
     assert smaller.bytes_used <= capacity // 2 and smaller.recovery.evicted > 0
@@ -200,7 +200,7 @@ def _check_consistent(path, layout):
     s = DiskHostStorage(path, 1 << 30, fsync=False)
     s.bind(layout)
     try:
-        users = list(s._entries)
+        users = list(s._users)
         for u in users:
             hp = s.read(u)
             assert hp is not None, u

@@ -1,8 +1,10 @@
 """FailOpenStorage: a tier that raises, hangs or returns bad data costs recomputation, never a visit;
 and the manager's paths where a tier reported data it then cannot return."""
+import gc
 import logging
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -17,8 +19,8 @@ from kvcache import (
     PageLayout,
     TierDataError,
     TieredHostStorage,
-    fail_open,
 )
+from kvcache.storage import fail_open
 from kvcache.testing import expected_kv, serve
 
 LAYOUT = PageLayout(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
@@ -244,3 +246,41 @@ def test_read_results_are_validated():
     assert isinstance(guarded.read(1), HostPages)
     guarded.inner.read = lambda u: HostPages(0, 6, torch.zeros((2, *LAYOUT.page_shape), dtype=torch.float64))
     assert guarded.read(1) is None and guarded.corrupt_reads == 1
+
+
+class FreshPagesTier(InMemoryHostStorage):
+    """Returns every read in a new tensor (as the disk and Redis tiers do), so its lifetime can be watched."""
+
+    def read(self, user_id):
+        hp = super().read(user_id)
+        return None if hp is None else hp._replace(pages=hp.pages.clone())
+
+
+def test_the_worker_thread_keeps_nothing_of_a_call_and_close_joins_it():
+    """A daemon thread still in torch while the interpreter finalises aborts the process ("terminate called
+    without an active exception"): the worker must not free a call's result, and must be gone after close."""
+    tier = FailOpenStorage(FreshPagesTier(1 << 20), "fresh", timeout_s=5.0)
+    tier.bind(LAYOUT)
+    for u in (1, 2):
+        assert tier.write(u, 0, 6, 0, lambda dst: dst.fill_(1.0)).stored
+    pages = weakref.ref(tier.read(1).pages)
+    assert tier.read(2) is not None  # a later call on the worker: it is done with the first one
+    gc.collect()
+    assert pages() is None  # freed here, by the caller: the worker held no reference to it
+    tier.close()
+    assert not tier._worker.alive
+
+
+def test_a_hung_call_does_not_hang_close():
+    mgr, flaky, guarded = _manager(timeout_s=0.05)
+    _visit(mgr, [1])
+    mgr.evict_kv_cache([1])
+    mgr.host_storage.tiers[0].drop(1)
+    flaky.mode = "hang"
+    mgr.get_user_kvdata_info([1])
+    _visit(mgr, [1])  # the read hangs past the timeout: abandoned, recomputed
+    assert guarded.timeouts >= 1
+    mgr.close()  # joins the worker for at most the timeout, then leaves the hung call behind
+    flaky.release.set()
+    guarded._worker.close()
+    assert not guarded._worker.alive

@@ -23,7 +23,7 @@ from kvcache import (
     TierDataError,
     TieredHostStorage,
 )
-from kvcache.redis_storage import RedisHostStorage
+from kvcache.storage.redis_tier import RedisHostStorage
 from kvcache.testing import expected_kv, serve
 
 LAYOUT = PageLayout(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
@@ -504,3 +504,54 @@ def test_tier_benchmark_runs_at_tiny_sizes(redis_server, tmp_path, capsys, monke
     assert set(result["crossover"]) == set(bench.TIERS)
     assert "recompute/reload" in capsys.readouterr().out
     assert not list(redis.Redis.from_url(redis_server).scan_iter("hstu:tier-benchmark-*:u:*"))  # cleaned up
+
+
+def _serve_returning_users(url, ns, users):
+    """A second node (the config's chain: FailOpenStorage around Redis) serves every user again."""
+    node = KVCacheManager(CFG, host_storage=FailOpenStorage(RedisHostStorage(url, ns, 1 << 20), "redis"))
+    start, length = node.get_user_kvdata_info(users)
+    serve(node, users, start + length, [2] * len(users))
+    return node
+
+
+@pytest.mark.parametrize("other_type", ["string", "list"])
+def test_a_meta_key_of_the_wrong_type_costs_only_its_user(redis_server, other_type):
+    """One user's meta key holding another Redis type (WRONGTYPE) is one corrupt entry: dropped, counted,
+    and every other user is served from the tier as if it were not there."""
+    users = list(range(6))
+    client = redis.Redis.from_url(redis_server)
+    stats = []
+    for corrupt in (False, True):
+        ns = unique_namespace()
+        writer = KVCacheManager(CFG, host_storage=RedisHostStorage(redis_server, ns, 1 << 20))
+        serve(writer, users, [0] * 6, [5 + 3 * u for u in users])
+        writer.offload_kv_cache()
+        meta_key = f"{writer.host_storage.prefix}:u:3:meta"
+        if corrupt:
+            client.delete(meta_key)
+            client.set(meta_key, b"x") if other_type == "string" else client.rpush(meta_key, b"x")
+        node = _serve_returning_users(redis_server, ns, users)
+        stats.append(node.stats())
+        for u in users:
+            length = 2 if corrupt and u == 3 else 5 + 3 * u + 2
+            _assert_cached(node, u, 0, length)
+    clean, bad = stats
+    assert bad.hits == clean.hits - 1 == len(users) - 1
+    user_3_bytes = CFG.page_layout.num_pages(5 + 9) * CFG.page_layout.page_nbytes
+    assert bad.onloaded_bytes == clean.onloaded_bytes - user_3_bytes
+    assert bad.tier_corrupt_reads == 1 and bad.tier_failures == 0 and clean.tier_corrupt_reads == 0
+    assert client.type(meta_key) == b"none"  # removed
+
+
+def test_the_tier_drops_a_wrong_type_meta_key_on_every_path(redis_server):
+    s = _store(redis_server)
+    client = redis.Redis.from_url(redis_server)
+    for call in (lambda: s.info(5), lambda: s.read(5)):
+        client.set(f"{s.prefix}:u:5:meta", b"x")
+        with pytest.raises(TierDataError, match="holds a Redis string"):
+            call()
+        assert client.type(f"{s.prefix}:u:5:meta") == b"none"
+    client.lpush(f"{s.prefix}:u:5:meta", b"x")
+    assert s.drop(5) and client.type(f"{s.prefix}:u:5:meta") == b"none"
+    assert s.write(6, 0, 4, 0, _fill(_random_pages(1))).stored
+    assert s.bytes_used == PAGE and s.num_users == 1

@@ -233,7 +233,7 @@ def test_tier_settings_are_validated(field, value, message):
 def test_redis_needs_a_namespace_and_the_chain_has_only_what_is_configured(tmp_path):
     with pytest.raises(ValueError, match="redis_namespace"):
         _config(redis_url="redis://localhost:6379/0")
-    assert isinstance(build_host_storage(_config()), InMemoryHostStorage)  # today's behaviour
+    assert isinstance(build_host_storage(_config()), InMemoryHostStorage)  # nothing else configured
     cfg = _config(persistent_dir=tmp_path, redis_url="redis://localhost:1/0", redis_namespace="model-abc",
                   tier_timeout_s=0.25)
     assert cfg.persistent_dir == str(tmp_path)

@@ -1,43 +1,18 @@
-"""What tier implementations share: the checks of the write contract, and pages as bytes.
+"""The page codec: pages as host tensors and as bytes.
 
-Every `HostKVStorage.write` validates its range the same way (`check_write`). Tiers that store
-raw bytes (a directory, Redis) also share how pages cross into bytes: `fill` writes into a reused
-staging buffer (`StagingPages`), each page is then one row of `page_nbytes` bytes viewing that
-memory (`byte_rows`, no copy), checked with a crc32 per row (`page_crcs`).
+Tiers that store raw bytes (a directory, Redis) share how pages cross into bytes: `fill` writes
+into a reused staging buffer (`StagingPages`), each page is then one row of `page_nbytes` bytes
+viewing that memory (`byte_rows`, no copy), checked with a crc32 per row (`page_crcs`).
 """
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .config import PageLayout
-
-if TYPE_CHECKING:
-    from .host_storage import HostEntry
-
-
-def check_write(
-    layout: PageLayout, user_id: int, start_pos: int, length: int, first_page: int, held: HostEntry | None,
-) -> int:
-    """The number of pages of the written entry, once the write is valid against what the tier holds.
-
-    ValueError: no tokens, `first_page` outside the entry, or `first_page > 0` without an entry
-    `held` at the same start holding at least `first_page` pages (a gap: the caller's bookkeeping
-    is wrong).
-    """
-    num_pages = layout.num_pages(length)
-    if length <= 0 or not 0 <= first_page < num_pages:
-        raise ValueError(f"User {user_id}: cannot write pages [{first_page}, {num_pages}) for {length} tokens.")
-    if first_page > 0 and (held is None or held.start_pos != start_pos or layout.num_pages(held.length) < first_page):
-        raise ValueError(
-            f"User {user_id}: writing from page {first_page} at start {start_pos} would leave a gap; "
-            f"the tier holds {held}."
-        )
-    return num_pages
+from ..config import PageLayout
 
 
 def new_pages(layout: PageLayout, n: int, pin_memory: bool = False) -> Tensor:

@@ -34,16 +34,16 @@ import os
 import struct
 import weakref
 import zlib
-from collections import OrderedDict
 from collections.abc import Collection
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from .config import PageLayout
-from .host_storage import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill
-from .page_io import StagingPages, byte_rows, check_write, new_pages, page_crcs
+from ..config import PageLayout
+from .base import HostEntry, HostPages, HostWriteResult, PageFill
+from .lru import BytesBoundedTier, BytesLRU
+from .page_codec import StagingPages, byte_rows, new_pages, page_crcs
 
 FORMAT = "hstu-kvcache-disk"
 FORMAT_VERSION = 1
@@ -78,7 +78,7 @@ class _Entry:
         return HostEntry(self.start_pos, self.length, self.tag)
 
 
-class DiskHostStorage(HostKVStorage):
+class DiskHostStorage(BytesBoundedTier):
     """Per-user KV pages in files under `directory`, bounded by `capacity_bytes` (page and index
     files), with its own LRU over users. See the module docstring for the format and recovery.
 
@@ -87,13 +87,9 @@ class DiskHostStorage(HostKVStorage):
     """
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = True) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}.")
+        super().__init__(capacity_bytes)
         self.directory = Path(directory)
-        self._capacity = int(capacity_bytes)
         self._fsync = bool(fsync)
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
-        self._used = 0
         self._next_seq = 1
         self._staging = StagingPages()
         self._lock_fd: int | None = None
@@ -125,27 +121,10 @@ class DiskHostStorage(HostKVStorage):
     def counters(self) -> dict[str, int]:
         return {"corrupt_reads": self.corrupt_reads}
 
-    # ------------------------------------------------------------------ sizes
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def bytes_used(self) -> int:
-        return self._used
-
-    @property
-    def num_users(self) -> int:
-        return len(self._entries)
-
     # ------------------------------------------------------------------ the contract
-    def info(self, user_id: int) -> HostEntry | None:
-        e = self._entries.get(user_id)
-        return None if e is None else e.info
-
     def read(self, user_id: int) -> HostPages | None:
         """The user's pages in a fresh tensor, one read per page file, each checked against its crc32."""
-        e = self._entries.get(user_id)
+        e = self._users.get(user_id)
         if e is None:
             return None
         layout = self.layout
@@ -162,7 +141,7 @@ class DiskHostStorage(HostKVStorage):
                 self.corrupt_reads += 1
                 self.drop(user_id)
                 return None
-        self._entries.move_to_end(user_id)
+        self._users.touch(user_id)
         try:
             os.utime(shard / f"{user_id}.idx")  # recency that survives a restart
         except FileNotFoundError:
@@ -176,13 +155,11 @@ class DiskHostStorage(HostKVStorage):
         protect: Collection[int] = (), tag: bytes = b"",
     ) -> HostWriteResult:
         layout = self.layout
-        old = self._entries.get(user_id)
-        num_pages = check_write(layout, user_id, start_pos, length, first_page, None if old is None else old.info)
+        old, num_pages = self._checked_write(user_id, start_pos, length, first_page)
         tag = bytes(tag)
         index_nbytes = _HEADER.size + len(tag) + _PAGE_RECORD * num_pages + 4
         new_bytes = num_pages * layout.page_nbytes + index_nbytes
-        pinned = sum(self._entries[u].nbytes for u in set(protect) if u != user_id and u in self._entries)
-        if new_bytes > self._capacity - pinned:
+        if new_bytes > self._capacity - self._users.protected_bytes(protect, user_id):
             return HostWriteResult(False, ())
         old_bytes = 0 if old is None else old.nbytes
         evicted = self._evict_to(self._capacity - new_bytes + old_bytes, keep={user_id, *protect})
@@ -219,16 +196,13 @@ class DiskHostStorage(HostKVStorage):
         if old is not None:
             for i in range(first_page, len(old.seqs)):
                 _unlink(shard / _page_name(user_id, i, int(old.seqs[i])))
-        self._entries[user_id] = _Entry(start_pos, length, tag, seqs, crcs, new_bytes)
-        self._entries.move_to_end(user_id)
-        self._used += new_bytes - old_bytes
+        self._users.put(user_id, _Entry(start_pos, length, tag, seqs, crcs, new_bytes), new_bytes)
         return HostWriteResult(True, evicted)
 
     def drop(self, user_id: int) -> bool:
-        e = self._entries.pop(user_id, None)
+        e = self._users.pop(user_id)
         if e is None:
             return False
-        self._used -= e.nbytes
         shard = self._shard(user_id)
         _unlink(shard / f"{user_id}.idx")  # first: a crash now leaves only unreferenced pages
         for i, seq in enumerate(e.seqs.tolist()):
@@ -242,9 +216,9 @@ class DiskHostStorage(HostKVStorage):
     def _evict_to(self, target: int, keep: set[int]) -> tuple[tuple[int, HostEntry], ...]:
         """Drop least recently used users not in `keep` until at most `target` bytes are used."""
         evicted = []
-        while self._used > target:
-            victim = next(u for u in self._entries if u not in keep)  # exists: the caller checked the room
-            evicted.append((victim, self._entries[victim].info))
+        while self._users.bytes_used > target:
+            victim = self._users.victim(keep)  # exists: the caller checked the room
+            evicted.append((victim, self._users.get(victim).info))
             self.drop(victim)
         return tuple(evicted)
 
@@ -299,11 +273,12 @@ class DiskHostStorage(HostKVStorage):
                     _unlink(Path(de.path))
                     removed += 1
         found.sort(key=lambda t: (t[0], int(t[2].seqs.max())))  # mtime, then the last write (coarse clocks)
-        self._entries = OrderedDict((user, entry) for _, user, entry in found)
-        self._used = sum(e.nbytes for e in self._entries.values())
+        self._users = BytesLRU()
+        for _, user, entry in found:
+            self._users.put(user, entry, entry.nbytes)
         self._next_seq = max_seq + 1
         evicted = self._evict_to(self._capacity, keep=set())
-        return RecoveryReport(len(self._entries), dropped, removed, len(evicted))
+        return RecoveryReport(len(self._users), dropped, removed, len(evicted))
 
 
 # ---------------------------------------------------------------------- files

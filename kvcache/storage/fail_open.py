@@ -34,17 +34,9 @@ from typing import TypeVar
 
 from torch import Tensor
 
-from .config import PageLayout
-from .host_storage import (
-    HostEntry,
-    HostKVStorage,
-    HostPages,
-    HostWriteResult,
-    PageFill,
-    TierDataError,
-    sum_counters,
-)
-from .page_io import new_pages
+from ..config import PageLayout
+from .base import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill, TierDataError, sum_counters
+from .page_codec import new_pages
 
 log = logging.getLogger("kvcache")
 T = TypeVar("T")
@@ -70,11 +62,9 @@ class FailOpenStorage(HostKVStorage):
         self.name = name
         self.timeout_s = timeout_s
         self._retry_after = (retry_after_s, max_retry_after_s)
-        self._worker = _CallThread(f"kvcache-{name}") if timeout_s is not None else None
+        self._worker = _CallThread(f"kvcache-{name}", timeout_s) if timeout_s is not None else None
         if self._worker is not None:
-            # Not at interpreter exit: a daemon thread woken while the interpreter finalises is
-            # killed mid-unwind (abort); left blocked on its queue it just ends with the process.
-            weakref.finalize(self, self._worker.close).atexit = False
+            weakref.finalize(self, self._worker.close)  # also at exit, before the interpreter finalises
         self._abandoned: Future | None = None  # a timed-out call still running on the worker
         self._retry_at = 0.0
         self._backoff = 0.0
@@ -275,12 +265,26 @@ def _valid_entry(h: HostEntry) -> bool:
 
 class _CallThread:
     """One daemon thread running calls in submission order: the wrapped tier sees one caller at a
-    time, and a call that hangs forever never blocks the interpreter's exit."""
+    time, and a call that hangs forever never blocks the interpreter's exit.
 
-    def __init__(self, name: str) -> None:
+    The thread must not be running when the interpreter finalises: a daemon thread that needs
+    the GIL back then is ended by `pthread_exit`, and if it is inside torch (any op that
+    releases the GIL, even freeing a tensor) the unwind crosses a `noexcept` C++ frame and the
+    process aborts ("terminate called without an active exception"). So `close` (also run at
+    exit) joins it, and between calls it holds no reference to a call, its result or its error:
+    whatever a call returned is freed by the caller's thread. Only a call hung past `join_s`
+    is left behind.
+    """
+
+    def __init__(self, name: str, join_s: float) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._join_s = join_s
         self._thread = threading.Thread(target=_run_calls, args=(self._queue,), name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def submit(self, fn: Callable[[], T]) -> Future:
         future: Future = Future()
@@ -288,14 +292,21 @@ class _CallThread:
         return future
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Stop the thread once the calls before run, and wait for it (at most `join_s` for a hung call)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            if self._thread is not threading.current_thread():
+                self._thread.join(self._join_s)
 
 
 def _run_calls(calls: queue.SimpleQueue) -> None:
     while (item := calls.get()) is not None:
         future, fn = item
+        del item
         if future.set_running_or_notify_cancel():
             try:
                 future.set_result(fn())
             except BaseException as exc:
                 future.set_exception(exc)
+                del exc
+        del future, fn  # the caller owns the result: never free it here, maybe while the interpreter exits

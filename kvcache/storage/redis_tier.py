@@ -31,16 +31,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import zlib
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import NamedTuple, NoReturn
 
 import numpy as np
 import redis
 import torch
 
-from .config import PageLayout
-from .host_storage import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill, TierDataError
-from .page_io import StagingPages, byte_rows, check_write, page_crcs
+from ..config import PageLayout
+from .base import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill, TierDataError, check_write
+from .page_codec import StagingPages, byte_rows, page_crcs
 
 PENDING_PAGE_MS = 300_000  # uploaded pages not yet committed expire after this (a crashed writer's)
 _READ_ATTEMPTS = 3  # a read that races a concurrent write re-reads the new meta this often
@@ -62,10 +62,13 @@ local function entry_keys(prefix, user, pv)
   for i, v in ipairs(split(pv)) do keys[i] = page_key(prefix, user, v, i - 1) end
   return keys
 end
+-- A meta key of another type (not written by this tier) holds no entry: it is only deleted.
+local function is_meta(meta) return redis.call('TYPE', meta).ok == 'hash' end
 -- Forget a user: its pages, meta and accounting. Returns start, length, tag (false if expired).
 local function forget(prefix, user)
   local meta = prefix .. ':u:' .. user .. ':meta'
-  local m = redis.call('HMGET', meta, 'start', 'length', 'tag', 'pv')
+  local m = {false, false, false, false}
+  if is_meta(meta) then m = redis.call('HMGET', meta, 'start', 'length', 'tag', 'pv') end
   del_keys(entry_keys(prefix, user, m[4]))
   redis.call('DEL', meta)
   local size = tonumber(redis.call('HGET', prefix .. ':sizes', user)) or 0
@@ -87,6 +90,7 @@ local new_keys = {}
 for i = first, n - 1 do new_keys[#new_keys + 1] = page_key(prefix, user, version, i) end
 local function abort(why) del_keys(new_keys); return {why} end
 
+if redis.call('EXISTS', meta) == 1 and not is_meta(meta) then forget(prefix, user) end
 local cur = redis.call('HMGET', meta, 'version', 'pv', 'crc')
 if first > 0 and cur[1] ~= base then return abort('conflict') end
 local present = 0
@@ -170,6 +174,7 @@ return m
 
 # KEYS[1] meta. ARGV: prefix, user, version ('' = any). Returns 1 if an entry was dropped.
 _DROP = _LUA_COMMON + """
+if redis.call('EXISTS', KEYS[1]) == 1 and not is_meta(KEYS[1]) then forget(ARGV[1], ARGV[2]); return 1 end
 local version = redis.call('HGET', KEYS[1], 'version')
 if ARGV[3] ~= '' and version ~= ARGV[3] then return 0 end
 forget(ARGV[1], ARGV[2])
@@ -273,7 +278,8 @@ class RedisHostStorage(HostKVStorage):
 
     # ------------------------------------------------------------------ the contract
     def info(self, user_id: int) -> HostEntry | None:
-        start, length, tag = self._redis.hmget(self._meta_key(user_id), "start", "length", "tag")
+        with self._own_keys(user_id):
+            start, length, tag = self._redis.hmget(self._meta_key(user_id), "start", "length", "tag")
         if start is None:
             return None
         try:
@@ -291,8 +297,9 @@ class RedisHostStorage(HostKVStorage):
         """
         layout = self.layout
         for _ in range(_READ_ATTEMPTS):
-            raw = self._read_meta(keys=[self._meta_key(user_id), f"{self.prefix}:lru", f"{self.prefix}:seq"],
-                                  args=[self.prefix, user_id, self._ttl])
+            with self._own_keys(user_id):
+                raw = self._read_meta(keys=[self._meta_key(user_id), f"{self.prefix}:lru", f"{self.prefix}:seq"],
+                                      args=[self.prefix, user_id, self._ttl])
             if not raw:
                 return None
             meta = self._parse(user_id, dict(zip(raw[::2], raw[1::2])))
@@ -324,7 +331,8 @@ class RedisHostStorage(HostKVStorage):
         pipe = self._redis.pipeline(transaction=False)
         pipe.hmget(self._meta_key(user_id), "start", "length", "version")
         pipe.incr(f"{self.prefix}:seq")
-        (start, held_length, base), version = pipe.execute()
+        with self._own_keys(user_id):
+            (start, held_length, base), version = pipe.execute()
         held = None if start is None else HostEntry(int(start), int(held_length))
         num_pages = check_write(layout, user_id, start_pos, length, first_page, held)
         if num_pages * layout.page_nbytes > self._capacity:
@@ -367,6 +375,19 @@ class RedisHostStorage(HostKVStorage):
         if isinstance(version, bytes):
             version = version.decode()
         return f"{self.prefix}:u:{user_id}:p:{version}:{page}"
+
+    @contextlib.contextmanager
+    def _own_keys(self, user_id: int) -> Iterator[None]:
+        """Around a call on the user's meta key: a key of another Redis type there (something else wrote
+        it) is one corrupt entry, dropped and raised as `TierDataError`, not a failure of the whole tier."""
+        try:
+            yield
+        except redis.ResponseError as exc:
+            if "WRONGTYPE" in str(exc):
+                kind = self._redis.type(self._meta_key(user_id))
+                if kind not in (b"hash", b"none"):
+                    self._bad_entry(user_id, b"", f"its meta key holds a Redis {kind.decode()}, not a hash")
+            raise
 
     def _parse(self, user_id: int, raw: dict[bytes, bytes]) -> _Meta:
         try:

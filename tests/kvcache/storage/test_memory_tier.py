@@ -142,17 +142,53 @@ def test_lfu_policy_order_breaks_ties_by_recency():
     assert list(p.order()) == [1, 2] and len(p) == 2
 
 
-def test_dropped_buffers_are_reused_within_the_capacity():
+def test_pages_live_in_one_slab_allocated_once_and_reused():
     s = _store(8)
+    assert s.slab.allocations == 1 and s.slab.pages.shape[0] == 8
     s.write(1, 0, 16, 0, _fill(_pages(4, 1)))
     ptr = s.read(1).pages.data_ptr()
     s.drop(1)
     assert s.bytes_used == 0
-    s.write(2, 0, 13, 0, _fill(_pages(4, 2)))  # same size class: the warm buffer comes back
+    s.write(2, 0, 13, 0, _fill(_pages(4, 2)))  # the freed range comes back
     assert s.read(2).pages.data_ptr() == ptr and torch.equal(s.read(2).pages, _pages(4, 2))
     s.drop(2)
-    s.write(3, 0, 32, 0, _fill(_pages(8, 3)))  # another class: the idle buffer is released to make room
+    s.write(3, 0, 32, 0, _fill(_pages(8, 3)))  # the whole slab, once the freed ranges coalesced
     assert s.bytes_used == 8 * PAGE and s.num_users == 1
+    for u in range(50):  # churn: evictions and growth never allocate
+        s.write(u % 7, 0, 4 * (1 + u % 3), 0, _fill(_pages(1 + u % 3, u)))
+    assert s.slab.allocations == 1 and s.bytes_used <= s.capacity_bytes
+
+
+def test_a_grown_user_keeps_its_pages_when_the_free_room_is_fragmented():
+    s = _store(4)
+    for u in (1, 2, 3):
+        s.write(u, 0, 4, 0, _fill(_pages(1, u)))  # slab: [1][2][3][free]
+    s.read(1)
+    s.read(3)
+    # 2 grows to 2 contiguous pages: two pages are free, but apart, so the least recently used goes
+    result = s.write(2, 0, 8, 1, _fill(_pages(1, 9)))
+    assert result.stored and [u for u, _ in result.evicted] == [1]
+    assert torch.equal(s.read(2).pages, torch.cat([_pages(1, 2), _pages(1, 9)]))
+    assert torch.equal(s.read(3).pages, _pages(1, 3))
+
+
+def test_no_contiguous_room_beside_protected_users_leaves_the_writer_unchanged():
+    s = _store(4)
+    for u in (1, 2, 3):
+        s.write(u, 0, 4, 0, _fill(_pages(1, u)))  # slab: [1][2][3][free]
+    s.drop(2)  # [1][free][3][free]: two pages free, none adjacent
+    s.write(4, 0, 4, 0, _fill(_pages(1, 4)))  # takes the first free page
+    s.drop(4)
+    result = s.write(3, 0, 8, 1, _fill(_pages(1, 8)), protect=[1])  # 2 pages: fits only if 3 moves
+    assert result.stored and s.info(3) == HostEntry(0, 8) and s.info(1) == HostEntry(0, 4)
+    s = _store(3)
+    for u in (1, 2, 3):
+        s.write(u, 0, 4, 0, _fill(_pages(1, u)))  # [1][2][3]
+    s.drop(1)
+    s.drop(3)  # [free][2][free]: two free pages that are not contiguous, 2 protected
+    result = s.write(5, 0, 8, 0, _fill(_pages(2, 5)), protect=[2])
+    assert not result.stored and result.evicted == () and s.info(5) is None
+    assert torch.equal(s.read(2).pages, _pages(1, 2)) and s.bytes_used == PAGE
 
 
 def test_protected_users_are_never_evicted():

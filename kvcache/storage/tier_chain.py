@@ -18,17 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from .config import KVCacheConfig, PageLayout
-from .host_storage import (
-    HostEntry,
-    HostKVStorage,
-    HostPages,
-    HostWriteResult,
-    InMemoryHostStorage,
-    PageFill,
-    sum_counters,
-)
-from .page_io import check_write
+from ..config import KVCacheConfig, PageLayout
+from .base import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill, check_write, sum_counters
+from .memory_tier import InMemoryHostStorage
 
 
 class TieredHostStorage(HostKVStorage):
@@ -157,21 +149,21 @@ def _copy_of(hp: HostPages) -> PageFill:
 def build_host_storage(config: KVCacheConfig) -> HostKVStorage:
     """The tiers `config` names: in-memory, then [fail-open disk], then [fail-open Redis].
 
-    Only the in-memory tier when no other is configured (today's behaviour). The lower tiers
+    Only the in-memory tier when no other is configured. The lower tiers
     are wrapped in `FailOpenStorage`: the disk tier with a `tier_timeout_s` bound on each call
     (run on a worker thread); the Redis tier enforces the same bound as its socket timeout.
     """
     memory = InMemoryHostStorage(config.host_capacity_bytes, pin_memory=config.pin_host_memory)
     tiers: list[HostKVStorage] = [memory]
     if config.persistent_dir is not None:
-        from .disk_storage import DiskHostStorage
+        from .disk_tier import DiskHostStorage
         from .fail_open import FailOpenStorage
 
         disk = DiskHostStorage(config.persistent_dir, config.persistent_capacity_bytes)
         tiers.append(FailOpenStorage(disk, f"disk:{config.persistent_dir}", timeout_s=config.tier_timeout_s))
     if config.redis_url is not None:
         from .fail_open import FailOpenStorage
-        from .redis_storage import RedisHostStorage  # imports redis-py: only when configured
+        from .redis_tier import RedisHostStorage  # imports redis-py: only when configured
 
         redis_tier = RedisHostStorage(
             config.redis_url, config.redis_namespace, config.redis_capacity_bytes,
