@@ -135,11 +135,19 @@ class KVCacheManager:
 
     def k_cache(self, layer: int) -> Tensor:
         """[num_pages + 1, page_size, num_heads, head_dim], preallocated and never reallocated; the last
-        page is the sink (see `sink_slot`)."""
+        page is the sink (see `sink_slot`). On CUDA the current stream first waits (on the device) for
+        the onloads issued so far, so a forward reads onloaded pages only once they are there."""
+        self._pool.wait_for_onloads()
         return self._pool.k_cache(layer)
 
     def v_cache(self, layer: int) -> Tensor:
+        self._pool.wait_for_onloads()
         return self._pool.v_cache(layer)
+
+    def wait_for_onloads(self) -> None:
+        """Make the current CUDA stream wait for the onloads issued so far (no host sync; no-op on CPU).
+        `k_cache`/`v_cache` do it; a CUDA graph replay, which reads the pool without asking, needs it."""
+        self._pool.wait_for_onloads()
 
     # ------------------------------------------------------------------ lookups
     def get_user_kvdata_info(self, user_ids: UserIds) -> tuple[Tensor, Tensor]:
@@ -255,6 +263,49 @@ class KVCacheManager:
         self._counters["rollbacks"] += 1
 
     # ------------------------------------------------------------------ tiers
+    def prefetch(self, user_ids: UserIds) -> int:
+        """Start onloading users that only a host tier holds into device pages; returns how many.
+
+        For a caller that knows the next batch: the copies run on the onload stream while the current
+        batch computes (on CPU they are done on return). Users unknown, already on the device or in
+        flight are skipped, and so is a user whose pages cannot be made free without evicting another
+        user of the same call or a user in flight, or whose tier cannot return what it reports. A
+        prefetched user is resident with exactly the entry the tier held (start, length, tag), so
+        `get_user_kvdata_info` answers the same before and after, and a plan made before stays valid.
+        """
+        with self._lock:
+            self._check_open()
+            users = list(dict.fromkeys(self._refusing(int_list, user_ids, "user_ids")))
+            wanted: dict[int, HostEntry] = {}
+            for u in users:
+                if u not in self._users:
+                    h = self._host.info(u)
+                    if h is not None:
+                        wanted[u] = h
+            if not wanted:
+                return 0
+            page_size = self._layout.page_size
+            need = 0
+            for u, h in list(wanted.items()):
+                pages = -(-h.length // page_size)
+                if need + pages > self._pool.num_free + self._evictable_pages(exclude=wanted.keys()):
+                    del wanted[u]
+                else:
+                    need += pages
+            if need > self._pool.num_free:
+                self._evict_for(need, batch=set(wanted), protect=wanted.keys())
+            self._pool.sync_onloads()  # a read may promote into host memory an onload still reads
+            onloaded = 0
+            for u, h in wanted.items():
+                hp = self._host.read(u)
+                if hp is None or hp.entry != h:
+                    continue  # lost or changed meanwhile: the next prepare finds out and re-plans
+                self._onload(u, hp, self._pool.alloc(self._layout.num_pages(hp.length)))
+                onloaded += 1
+            self._counters["prefetched_users"] += onloaded
+            self._events.flush()
+            return onloaded
+
     def offload_kv_cache(self, user_ids: UserIds | None = None) -> None:
         """Copy to the host tier what the device holds and the host lacks (None: every resident user).
 
@@ -456,6 +507,8 @@ class KVCacheManager:
         and an unreadable entry is dropped so that the next `get_user_kvdata_info` reports a miss.
         """
         out, failed = {}, []
+        if plan.on_host:
+            self._pool.sync_onloads()  # a read may promote into host memory an onload still reads
         for u, entry in plan.on_host.items():
             hp = self._host.read(u)
             if hp is None or hp.entry != entry:
@@ -527,6 +580,9 @@ class KVCacheManager:
         del self._pending[meta.prepare_id]
         return pending
 
+    def _evictable_pages(self, exclude: Collection[int]) -> int:
+        return sum(len(res.pages) for u, res in self._users.items() if u not in self._in_flight and u not in exclude)
+
     def _evict_for(self, pages_needed: int, batch: set[int], protect: Collection[int]) -> None:
         """Evict users (never the batch or users in flight) until `pages_needed` pages are free.
 
@@ -590,6 +646,7 @@ class KVCacheManager:
         else:
             first = 0
         pages = res.pages[first:num_pages]
+        self._pool.sync_onloads()  # the tier may rewrite host memory an onload still reads
         result = self._host.write(
             u, res.start_pos, res.length, first, lambda dst: self._pool.copy_out(pages, dst),
             protect=protect, tag=res.tag,

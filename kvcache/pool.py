@@ -39,8 +39,13 @@ class DevicePagePool:
         self._free = array("q", range(num_pages - 1, -1, -1))  # a stack: low pages are handed out first
         self._is_free = np.ones(num_pages, dtype=bool)
         self._cuda = device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
+        # Onloads and offloads each have a stream of their own: compute never queues behind a copy,
+        # and a copy waits on the device (events) only for the work it depends on.
+        self._onload_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._offload_stream = torch.cuda.Stream(device) if self._cuda else None
         self._written: torch.cuda.Event | None = None
+        self._onloaded: torch.cuda.Event | None = None  # the last onload: host memory it reads is busy
+        self._compute_waits_for: torch.cuda.Event | None = None  # an onload compute has not waited for yet
 
     # --- views ---
     @property
@@ -89,8 +94,8 @@ class DevicePagePool:
     def mark_written(self) -> None:
         """Record that the pool writes issued so far on the current stream are ones later copies must see.
 
-        The manager calls it at commit (after the appends) and the pool after each onload;
-        `copy_out`, on its own stream, waits for the latest mark. No-op on CPU.
+        The manager calls it at commit (after the appends); `copy_out`, on the offload stream, waits
+        for the latest mark and for the last onload. No-op on CPU.
         """
         if self._cuda:
             self._written = torch.cuda.Event()
@@ -111,26 +116,55 @@ class DevicePagePool:
             else:  # another accelerator: gather there, then a blocking copy
                 dst.copy_(self._gather(src, idx).view(dst.shape))
             return
-        stream = self._copy_stream
+        stream = self._offload_stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            if self._written is not None:
-                stream.wait_event(self._written)
+            for event in (self._written, self._onloaded):
+                if event is not None:
+                    stream.wait_event(event)
             staged = self._gather(src, self._index(pages))
             dst.copy_(staged.view(dst.shape), non_blocking=True)
         stream.synchronize()
 
     def copy_in(self, pages: Pages, src: Tensor) -> None:
-        """Write `src` ([len(pages), *page_shape], any device) into `pages`, in order on the current stream.
+        """Write `src` ([len(pages), *page_shape], any device) into `pages`.
 
-        From pinned host memory the copy is asynchronous; the tier keeps that memory unchanged
-        until later writes, which `mark_written` orders after this one.
+        On CUDA the copy runs on the onload stream, after the work already queued on the current
+        stream (the pages may have been freed by a batch still computing there), and returns at
+        once: from pinned host memory it is an asynchronous DMA. Compute waits for it on the
+        device at its first read of the pool (`wait_for_onloads`); the host memory it reads must
+        stay unchanged until `sync_onloads` (the manager calls it before any tier write).
         """
-        idx = self._index(pages)
-        src = self._as_rows(src.to(self.device, non_blocking=True)).transpose(0, 1)
+        if not self._cuda:
+            self._scatter(self._index(pages), src.to(self.device))
+            return
+        stream = self._onload_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            self._scatter(self._index(pages), src.to(self.device, non_blocking=True))
+            self._onloaded = torch.cuda.Event()
+            self._onloaded.record(stream)
+        self._compute_waits_for = self._onloaded
+
+    def wait_for_onloads(self) -> None:
+        """Make the current stream wait (on the device, the host does not block) for the onloads issued
+        so far. Not while capturing a CUDA graph: the caller waited before the capture or replay."""
+        event = self._compute_waits_for
+        if event is not None and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).wait_event(event)
+            self._compute_waits_for = None
+
+    def sync_onloads(self) -> None:
+        """Block until the onloads issued so far have read their host memory (before it is rewritten)."""
+        if self._onloaded is not None:
+            self._onloaded.synchronize()
+            self._onloaded = None
+
+    def _scatter(self, idx: Tensor, src: Tensor) -> None:
+        """pool pages `idx` <- `src` [k, *page_shape] on the pool's device, all layers in one pass."""
+        src = self._as_rows(src).transpose(0, 1)
         dst = self._pool_rows()
         words = as_words(dst, src) if self.device.type == "cpu" else None
         (words[0] if words else dst).index_copy_(1, idx, words[1] if words else src)
-        self.mark_written()
 
     @property
     def _page_numel(self) -> int:

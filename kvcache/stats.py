@@ -20,6 +20,7 @@ class CacheStats:
     host_rejected_writes: int = 0  # offloads the host tier could not store (user larger than the tier)
     refusals: int = 0  # requests refused with a KVCacheRequestError
     rollbacks: int = 0  # prepares rolled back
+    prefetched_users: int = 0  # users onloaded by `prefetch` ahead of their prepare
     # --- counters of the host tiers (HostKVStorage.counters(), summed over the chain) ---
     tier_failures: int = 0  # calls to a tier that raised: served as a miss / not stored
     tier_timeouts: int = 0  # calls abandoned after the tier's timeout

@@ -90,14 +90,32 @@ class InferenceSession:
                 )
 
     # ------------------------------------------------------------------ entry points
-    def serve(self, request_indices: np.ndarray) -> VisitResult:
-        """Score one batch of the dataset's visits (each of a different user) and update the cache."""
+    def serve(self, request_indices: np.ndarray, next_request_indices: np.ndarray | None = None) -> VisitResult:
+        """Score one batch of the dataset's visits (each of a different user) and update the cache.
+
+        `next_request_indices` (the batch the caller serves next) are prefetched once this batch is
+        prepared: their users' K/V move from the host tier to the device while this batch computes.
+        """
         idx = np.asarray(request_indices, dtype=np.int64).reshape(-1)
         requests = self.dataset.requests
+        after_prepare = None if next_request_indices is None else lambda: self.prefetch(next_request_indices)
         return self._serve(
             requests.user_id[idx], requests.end[idx],
-            lambda starts, windows: self.dataset.make_batch(idx, starts, windows),
+            lambda starts, windows: self.dataset.make_batch(idx, starts, windows), after_prepare,
         )
+
+    def prefetch(self, request_indices: np.ndarray) -> int:
+        """Start onloading the users of these visits that only a host tier holds and whose visit continues
+        what is cached (`KVCacheManager.prefetch`); returns how many. Serving them later gives the same
+        results as without it; no-op without a cache."""
+        if self.kv_cache is None:
+            return 0
+        idx = np.asarray(request_indices, dtype=np.int64).reshape(-1)
+        users = self.dataset.requests.user_id[idx]
+        cached_start, cached_len = self.kv_cache.get_user_kvdata_info(users.tolist())
+        plan = self.model.layout.plan(self.dataset.requests.end[idx], cached_start.numpy(), cached_len.numpy())
+        reusing = plan.starts > plan.window_starts  # a window that restarts would drop what is onloaded
+        return self.kv_cache.prefetch(users[reusing].tolist())
 
     def score(self, requests: Sequence[ScoreRequest]) -> VisitResult:
         """Score ad-hoc requests (each of a different user) over the users' histories at their times.
@@ -127,7 +145,9 @@ class InferenceSession:
         )
 
     # ------------------------------------------------------------------ one batch
-    def _serve(self, user_ids: np.ndarray, ends: np.ndarray, make_batch: BatchMaker) -> VisitResult:
+    def _serve(
+        self, user_ids: np.ndarray, ends: np.ndarray, make_batch: BatchMaker, after_prepare: Callable | None = None,
+    ) -> VisitResult:
         if len(np.unique(user_ids)) != len(user_ids):
             raise ValueError("A batch may hold each user at most once (later visits depend on earlier ones)")
         layout = self.model.layout
@@ -138,7 +158,7 @@ class InferenceSession:
                 logits = self._forward(batch, None)
             reused = 0
         else:
-            batch, logits, reused = self._serve_cached(user_ids, ends, make_batch)
+            batch, logits, reused = self._serve_cached(user_ids, ends, make_batch, after_prepare)
             if self.offload_between_visits:
                 self.kv_cache.offload_kv_cache(user_ids.tolist())
         spans = layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
@@ -156,11 +176,14 @@ class InferenceSession:
     def _forward(self, batch: VisitBatch, kv: KVStore | None) -> torch.Tensor:
         if self.graphs is None:
             return self.model(batch, kv)
+        if self.kv_cache is not None:
+            self.kv_cache.wait_for_onloads()  # a replay reads the pool without asking k_cache()
         return self.graphs.run(self.model.prepare_inputs(batch, kv, bucketed=True), kv)
 
-    def _serve_cached(self, user_ids: np.ndarray, ends: np.ndarray, make_batch: BatchMaker):
+    def _serve_cached(self, user_ids: np.ndarray, ends: np.ndarray, make_batch: BatchMaker, after_prepare):
         served = serve_through_cache(
-            self.model, self.kv_cache, user_ids, ends, make_batch, self._tags, forward=self._forward
+            self.model, self.kv_cache, user_ids, ends, make_batch, self._tags, forward=self._forward,
+            after_prepare=after_prepare,
         )
         self.tag_mismatches += served.tag_mismatches
         return served.batch, served.logits, served.tokens_reused
@@ -191,13 +214,15 @@ def serve_through_cache(
     make_batch: BatchMaker,
     tags: TagFn | None = None,
     forward: Forward | None = None,
+    after_prepare: Callable[[], object] | None = None,
 ) -> CachedVisits:
     """One batch of visits through the cache: plan, prepare (guarded by what was planned), forward,
     commit; rollback on any failure; re-plan when another caller changed the cache in between.
 
     `tags(user_ids, window_starts, ends)` describes the inputs of cached windows: a cached window
     whose stored tag differs is recomputed (None: tags are neither checked nor stored). `forward`
-    replaces `model(batch, kv)` (e.g. a CUDA graph replay).
+    replaces `model(batch, kv)` (e.g. a CUDA graph replay). `after_prepare()` runs once the batch is
+    prepared, before its forward (a prefetch of the next batch overlaps this one's compute).
     """
     layout, users = model.layout, user_ids.tolist()
     forward = forward or model
@@ -217,6 +242,8 @@ def serve_through_cache(
             log.warning("re-planning a visit: %s", err)
             continue
         try:
+            if after_prepare is not None:
+                after_prepare()
             with torch.inference_mode():
                 logits = forward(batch, PagedKV(cache.k_cache, cache.v_cache, meta, cache.sink_slot))
         except BaseException:

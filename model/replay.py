@@ -61,9 +61,9 @@ def replay(session: InferenceSession, batches: list[np.ndarray], name: str, prog
     batch_ms, batch_history = [], []
     computed = reused = 0
     total = 0.0
-    for idx in tqdm(batches, desc=f"replay ({name})", disable=not progress, file=sys.stderr, unit="batch"):
+    for i, idx in enumerate(tqdm(batches, desc=f"replay ({name})", disable=not progress, file=sys.stderr, unit="batch")):
         started = time.perf_counter()
-        result = session.serve(idx)
+        result = session.serve(idx, next_request_indices=batches[i + 1] if i + 1 < len(batches) else None)
         elapsed = time.perf_counter() - started
         total += elapsed
         request_ids.append(result.request_ids)
