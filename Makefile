@@ -18,7 +18,7 @@ PROCESSED   := $(ARTIFACTS)/processed
 CHECKPOINT  := $(ARTIFACTS)/checkpoint
 DEMO_PRESET ?= demo
 DEMO_REQUESTS ?=
-TRAIN_SECONDS ?= 300
+TRAIN_SECONDS ?= 210
 
 .PHONY: demo test venv clean check-gpu-install
 
@@ -55,6 +55,8 @@ endif
 			--max_train_seconds $(TRAIN_SECONDS)
 	$(PY) benchmark/inference_end2end_example.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
 		$(if $(DEMO_REQUESTS),--max_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/end2end.json
+	$(PY) benchmark/quality_benchmark.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
+		$(if $(DEMO_REQUESTS),--max_eval_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/quality.json
 
 clean:
 	rm -rf artifacts

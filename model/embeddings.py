@@ -4,6 +4,9 @@ One lookup serves a whole batch. The KeyedJaggedTensor has one row per feature: 
 token features over every event and candidate token, then one user feature per prefix token
 position over the users that open their window. Its per-key sizes are known on the host,
 so splitting it by key never reads lengths back from the device.
+
+Beside the collection, `video_bias` holds one per-task logit offset per video, read for the
+candidates only and added to their logits (`candidate_bias`).
 """
 from __future__ import annotations
 
@@ -53,6 +56,13 @@ class TokenEmbedder(nn.Module):
         )
         for table in self.collection.embeddings.values():
             nn.init.normal_(table.weight, std=0.02)
+        # A per-task logit offset of each candidate video: what a video's own appeal (its quality)
+        # adds for every user. The token embedding carries the same id, but there it is one of
+        # five summed, layer-normed inputs shared with everything the candidate attends to, which
+        # makes a plain per-video offset slow to learn; here it is one row read straight into the
+        # logits. Candidates only, so nothing cached depends on it.
+        self.video_bias = nn.Embedding(config.video_hash_size, config.num_tasks, device=device)
+        nn.init.zeros_(self.video_bias.weight)
 
     def host_inputs(self, features: TokenFeatures) -> dict[str, np.ndarray]:
         """The arrays `forward` needs on the device (packed into the batch's one upload)."""
@@ -63,7 +73,12 @@ class TokenEmbedder(nn.Module):
             "kjt_lengths": np.array([len(v) for v in values], dtype=np.int64),
             "token_rows": features.token_rows,
             "prefix_rows": features.prefix_rows.reshape(-1),
+            "candidate_video_ids": features.candidate_video_ids,
         }
+
+    def candidate_bias(self, device_inputs: Mapping[str, Tensor]) -> Tensor:
+        """-> [shape.candidate_rows, num_tasks]: each candidate row's video offset (padding rows read row 0)."""
+        return self.video_bias(device_inputs["candidate_video_ids"])
 
     def forward(self, device_inputs: Mapping[str, Tensor], features: TokenFeatures) -> Tensor:
         """-> x [shape.num_rows, hidden_dim] float32: token embeddings in the row layout of model/features.py

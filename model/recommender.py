@@ -65,6 +65,10 @@ class HSTURecommender(nn.Module):
         self._staging: dict[torch.device, DeviceStaging] = {}
         # "auto": the Triton kernel on CUDA (when triton imports), the blocked torch path elsewhere.
         self.attention_backend = "auto"
+        # (query rows, key rows) per block of the blocked attention path; None = the plan's defaults
+        # (sized for serving long cached windows). Training uses smaller ones: its windows are short
+        # and its backward pays for every padded slot of a block.
+        self.attention_blocks: tuple[int, int] | None = None
         self.to(device)
 
     @property
@@ -116,7 +120,8 @@ class HSTURecommender(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, inputs.attention, kv, inputs.device_inputs, history_outputs_needed=i < last)
-        return self.head(self.output_norm(x)).float()
+        logits = self.head(self.output_norm(x)) + self.embedder.candidate_bias(inputs.device_inputs).to(x.dtype)
+        return logits.float()
 
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":
@@ -126,7 +131,9 @@ class HSTURecommender(nn.Module):
     def _plan_attention(self, spans: TokenSpans, batch: VisitBatch, kv: KVStore, shape: BatchShape, bucketed: bool):
         backend = self.resolved_attention_backend()
         if backend != "triton":
-            return plan_attention(spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing, shape)
+            query_block, key_block = self.attention_blocks or (None, None)
+            return plan_attention(spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing,
+                                  shape, query_block=query_block, key_block=key_block)
         page_size = kv.addressing.page_size
         # A bucket's arrays have fixed lengths: its page table holds any window, its split depends on the bucket only.
         page_capacity = shape.users * -(-self.config.max_seq_len // page_size) if bucketed and page_size else None

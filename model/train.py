@@ -17,23 +17,28 @@ import logging
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
 from data.dataset import InferenceDataset
 from data.schema import TASKS
 from model.checkpoint import save_checkpoint
 from model.config import PRESET_NAMES, HSTUConfig, preset
+from model.evaluation import EarlyStopping, score_requests, window_batch
 from model.metrics import per_task_auc
 from model.recommender import HSTURecommender
 
 log = logging.getLogger(__name__)
 BEIJING = dt.timezone(dt.timedelta(hours=8))
 DEFAULT_SPLIT_DATE = 20220422  # first day of the second standard log
+# (query rows, key rows) of the blocked attention while training: cropped windows are short, and
+# the backward pays for every padded slot of a block, so blocks smaller than serving's pay off.
+TRAINING_ATTENTION_BLOCKS = (128, 128)
 
 
 @dataclass(frozen=True)
@@ -41,14 +46,30 @@ class TrainParams:
     preset: str = "demo"
     split_date: int = DEFAULT_SPLIT_DATE
     holdout_fraction: float = 0.1
-    epochs: int = 1
+    epochs: int = 8  # at most; early stopping on the holdout loss ends training sooner
+    patience: int = 2  # epochs without a better holdout loss before stopping
     batch_size: int = 16
     learning_rate: float = 1e-3
     embedding_learning_rate: float = 1e-2
+    # The per-video logit offsets: Adam moves a row by about the learning rate each time its video is
+    # seen, so a video seen a handful of times needs a large rate to reach its log-odds.
+    video_bias_learning_rate: float = 0.1
+    warmup_steps: int = 20  # linear warm-up, then cosine decay to 10% over the planned steps
+    max_history_events: int | None = 128  # training crops each visit to its last events (None: whole window)
     max_train_requests: int | None = None
     max_train_seconds: float | None = None
     seed: int = 0
     device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    epoch: int
+    steps: int
+    train_loss: float
+    holdout_loss: float
+    holdout_auc: dict[str, float | None]
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -58,7 +79,12 @@ class TrainReport:
     steps: int
     seconds: float
     final_loss: float
-    holdout_auc: dict[str, float | None]
+    holdout_auc: dict[str, float | None]  # of the kept (best) epoch
+    best_epoch: int
+    stopped_early: bool
+    candidates_per_second: float  # training samples (scored candidates) per second of training steps
+    requests_per_second: float
+    epochs: list[EpochReport] = field(default_factory=list)
 
 
 def date_to_ms(yyyymmdd: int) -> int:
@@ -72,26 +98,9 @@ def config_for_dataset(preset_name: str, dataset: InferenceDataset) -> HSTUConfi
     return preset(preset_name, user_feature_cardinalities=tuple(dataset.user_feature_cardinalities))
 
 
-def full_window_batch(model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray):
-    windows = model.layout.window_start(dataset.requests.end[indices])
-    return dataset.make_batch(indices, windows, windows)
-
-
-def evaluate(model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray, batch_size: int,
-             desc: str = "evaluate") -> dict[str, float | None]:
-    logits, labels = [], []
-    model.eval()
-    with torch.inference_mode():
-        for idx in tqdm(list(dataset.batches(indices, batch_size)), desc=desc, leave=False, file=sys.stderr):
-            batch = full_window_batch(model, dataset, idx)
-            logits.append(model(batch).cpu())
-            labels.append(torch.from_numpy(batch.labels))
-    if not logits:
-        return {name: None for name in TASKS}
-    return per_task_auc(torch.cat(logits).numpy(), torch.cat(labels).numpy(), TASKS)
-
-
 def split_requests(dataset: InferenceDataset, params: TrainParams) -> tuple[np.ndarray, np.ndarray]:
+    """-> (train, holdout) request indices: the visits before the split date, the last
+    `holdout_fraction` of them (in time) held out."""
     period = dataset.request_indices(until_time_ms=date_to_ms(params.split_date))
     if len(period) < 2:
         raise ValueError(f"Only {len(period)} visits before {params.split_date}: nothing to train on")
@@ -102,29 +111,67 @@ def split_requests(dataset: InferenceDataset, params: TrainParams) -> tuple[np.n
     return train, holdout
 
 
-def train(dataset: InferenceDataset, params: TrainParams) -> tuple[HSTURecommender, TrainReport]:
+def _optimizers(model: HSTURecommender, params: TrainParams) -> tuple[list[torch.optim.Optimizer], list[nn.Parameter]]:
+    """SparseAdam for the embedding tables (a step costs the rows a batch touches, and a rare
+    video's row moves at the full rate whenever it is seen), AdamW for the dense layers."""
+    tables = [*model.embedder.collection.embeddings.values(), model.embedder.video_bias]
+    for table in tables:
+        table.sparse = True
+    bias = model.embedder.video_bias.weight
+    embedding_params = [table.weight for table in tables if table.weight is not bias]
+    sparse_ids = {id(p) for p in [*embedding_params, bias]}
+    dense_params = [p for p in model.parameters() if id(p) not in sparse_ids]
+    return [
+        torch.optim.SparseAdam([{"params": embedding_params, "lr": params.embedding_learning_rate},
+                                {"params": [bias], "lr": params.video_bias_learning_rate}]),
+        torch.optim.AdamW(dense_params, lr=params.learning_rate, weight_decay=1e-4),
+    ], dense_params
+
+
+def _schedule(step: int, total: int, warmup: int) -> float:
+    """Learning-rate factor: linear warm-up, then cosine decay to 0.1 at `total` steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def train(
+    dataset: InferenceDataset, params: TrainParams, model: HSTURecommender | None = None
+) -> tuple[HSTURecommender, TrainReport]:
+    """Train on the visits before the split date; keep the epoch with the best holdout loss.
+
+    `model` (default: a fresh one of `params.preset`, dropout 0.1, seeded by `params.seed`) is
+    trained in place and returned."""
     torch.manual_seed(params.seed)
     rng = np.random.default_rng(params.seed)
-    model = HSTURecommender(config_for_dataset(params.preset, dataset).replace(dropout=0.1), device=params.device)
-    for table in model.embedder.collection.embeddings.values():
-        table.sparse = True  # row-sparse gradients: only looked-up rows are updated
-    embedding_params = list(model.embedder.collection.parameters())
-    embedding_ids = {id(p) for p in embedding_params}
-    dense_params = [p for p in model.parameters() if id(p) not in embedding_ids]
-    optimizers = [
-        torch.optim.SparseAdam(embedding_params, lr=params.embedding_learning_rate),
-        torch.optim.AdamW(dense_params, lr=params.learning_rate, weight_decay=1e-4),
-    ]
+    if model is None:
+        config = config_for_dataset(params.preset, dataset).replace(dropout=0.1)
+        model = HSTURecommender(config, device=params.device)
+    model.attention_blocks = TRAINING_ATTENTION_BLOCKS
+    optimizers, dense_params = _optimizers(model, params)
+    base_lrs = [[g["lr"] for g in opt.param_groups] for opt in optimizers]
     train_idx, holdout_idx = split_requests(dataset, params)
-    started, step, loss_ema = time.perf_counter(), 0, math.nan
+    steps_per_epoch = len(list(dataset.batches(train_idx, params.batch_size)))
+    total_steps = max(1, params.epochs * steps_per_epoch)
+    stopper = EarlyStopping(params.patience)
+    epochs: list[EpochReport] = []
+    started, step, loss_ema, candidates, requests, step_seconds = time.perf_counter(), 0, math.nan, 0, 0, 0.0
+    out_of_time = False
     for epoch in range(params.epochs):
+        epoch_started = time.perf_counter()
         # Shuffle visits across time: batches are i.i.d., each still with distinct users.
         order = train_idx[rng.permutation(len(train_idx))]
         batches = list(dataset.batches(order, params.batch_size))
         bar = tqdm(batches, desc=f"train epoch {epoch + 1}/{params.epochs}", file=sys.stderr)
         model.train()
         for idx in bar:
-            batch = full_window_batch(model, dataset, idx)
+            step_started = time.perf_counter()
+            factor = _schedule(step, total_steps, params.warmup_steps)
+            for opt, lrs in zip(optimizers, base_lrs):
+                for group, lr in zip(opt.param_groups, lrs):
+                    group["lr"] = lr * factor
+            batch = window_batch(model, dataset, idx, params.max_history_events)
             logits = model(batch)
             loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(batch.labels).to(logits.device))
             for opt in optimizers:
@@ -134,17 +181,43 @@ def train(dataset: InferenceDataset, params: TrainParams) -> tuple[HSTURecommend
             for opt in optimizers:
                 opt.step()
             step += 1
+            candidates += len(batch.candidate_video_ids)
+            requests += batch.batch_size
+            step_seconds += time.perf_counter() - step_started
             loss_ema = loss.item() if math.isnan(loss_ema) else 0.95 * loss_ema + 0.05 * loss.item()
-            bar.set_postfix(loss=f"{loss_ema:.4f}")
+            bar.set_postfix(loss=f"{loss_ema:.4f}", cand_per_s=f"{candidates / step_seconds:.0f}")
             if params.max_train_seconds and time.perf_counter() - started > params.max_train_seconds:
+                out_of_time = True
                 break
-    for table in model.embedder.collection.embeddings.values():
+        bar.close()
+        model.attention_blocks = None  # the holdout is scored exactly as serving scores it
+        holdout = score_requests(model, dataset, holdout_idx, params.batch_size, desc="holdout")
+        model.attention_blocks = TRAINING_ATTENTION_BLOCKS
+        holdout_loss = holdout.mean_bce()
+        auc = per_task_auc(holdout.logits, holdout.labels, TASKS)
+        epochs.append(EpochReport(epoch + 1, step, loss_ema, holdout_loss, auc, time.perf_counter() - epoch_started))
+        tqdm.write(f"epoch {epoch + 1}: train loss {loss_ema:.4f}, holdout loss {holdout_loss:.4f}, "
+                   f"holdout click AUC {_fmt(auc.get('click'))}", file=sys.stderr)
+        if stopper.update(epoch + 1, holdout_loss, model) or out_of_time:
+            break
+    stopper.restore_best(model)
+    for table in [*model.embedder.collection.embeddings.values(), model.embedder.video_bias]:
         table.sparse = False
+    model.attention_blocks = None
     model = model.eval()
-    seconds = time.perf_counter() - started
-    holdout_auc = evaluate(model, dataset, holdout_idx, params.batch_size, desc="holdout AUC")
-    report = TrainReport(len(train_idx), len(holdout_idx), step, seconds, loss_ema, holdout_auc)
+    best = next(e for e in epochs if e.epoch == stopper.best_epoch)
+    report = TrainReport(
+        train_requests=len(train_idx), holdout_requests=len(holdout_idx), steps=step,
+        seconds=time.perf_counter() - started, final_loss=loss_ema, holdout_auc=best.holdout_auc,
+        best_epoch=best.epoch, stopped_early=len(epochs) < params.epochs and not out_of_time,
+        candidates_per_second=candidates / max(step_seconds, 1e-9), requests_per_second=requests / max(step_seconds, 1e-9),
+        epochs=epochs,
+    )
     return model, report
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -155,10 +228,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default=d.preset, choices=PRESET_NAMES)
     p.add_argument("--split_date", type=int, default=d.split_date, help="YYYYMMDD; train on visits before it")
     p.add_argument("--holdout_fraction", type=float, default=d.holdout_fraction)
-    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--epochs", type=int, default=d.epochs, help="at most (early stopping on the holdout loss)")
+    p.add_argument("--patience", type=int, default=d.patience)
+    p.add_argument("--warmup_steps", type=int, default=d.warmup_steps)
+    p.add_argument("--max_history_events", type=int, default=d.max_history_events,
+                   help="training crops each visit's window to its last N events")
     p.add_argument("--batch_size", type=int, default=d.batch_size)
     p.add_argument("--learning_rate", type=float, default=d.learning_rate)
     p.add_argument("--embedding_learning_rate", type=float, default=d.embedding_learning_rate)
+    p.add_argument("--video_bias_learning_rate", type=float, default=d.video_bias_learning_rate)
     p.add_argument("--max_train_requests", type=int, default=None)
     p.add_argument("--max_train_seconds", type=float, default=None)
     p.add_argument("--seed", type=int, default=d.seed)

@@ -277,6 +277,7 @@ def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:
     with torch.no_grad():
         for table in model.embedder.collection.embeddings.values():
             table.weight.normal_(std=0.5)
+        model.embedder.video_bias.weight.normal_(std=0.5)
     return model
 
 

@@ -1,0 +1,90 @@
+"""Baselines (model/baselines.py), the quality comparison (model/quality.py) and its script."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from data.dataset import InferenceDataset
+from helpers import REPO_ROOT, build_processed, subprocess_env
+from model.baselines import Interactions, ItemPopularity, MatrixFactorization, UserKNN
+from model.metrics import auc
+from model.quality import compare, quality_split
+from model.train import date_to_ms
+
+
+def _interactions(users, videos, clicks) -> Interactions:
+    labels = np.zeros((len(users), 8), dtype=np.float32)
+    labels[:, 0] = clicks
+    return Interactions(np.asarray(users, np.int64), np.asarray(videos, np.int64), labels)
+
+
+def test_popularity_counts_the_tasks_positives():
+    train = _interactions([0, 1, 2, 0, 1], [10, 10, 11, 12, 12], [1, 1, 1, 0, 1])
+    scores = ItemPopularity().fit(train).score(np.zeros(4, np.int64), np.array([10, 11, 12, 99]))
+    assert scores[:, 0].tolist() == [2, 1, 1, 0]  # an unseen video scores 0
+    with pytest.raises(ValueError, match="one row per event"):
+        Interactions(np.zeros(2, np.int64), np.zeros(3, np.int64), np.zeros((2, 8), np.float32))
+
+
+def test_user_knn_scores_what_similar_users_clicked():
+    # Users 0 and 1 click the same videos; user 2 clicks others. User 0 has not seen video 5.
+    train = _interactions([0, 0, 1, 1, 1, 2, 2, 2], [1, 2, 1, 2, 5, 3, 4, 6], [1, 1, 1, 1, 1, 1, 1, 1])
+    knn = UserKNN(neighbours=1).fit(train)
+    scores = knn.score(np.array([0, 0, 0]), np.array([5, 6, 7]))[:, 0]
+    assert scores[0] > 0 and scores[1] == 0 and scores[2] == 0  # 5: its neighbour's click; 6: not a neighbour's
+    with pytest.raises(ValueError, match="neighbours"):
+        UserKNN(neighbours=0)
+
+
+def test_matrix_factorization_learns_a_planted_preference():
+    """Two user groups, two video groups: a group clicks its own group's videos 80% of the time."""
+    rng = np.random.default_rng(0)
+    n, users, videos = 6000, 40, 60
+    u, v = rng.integers(0, users, n), rng.integers(0, videos, n)
+    clicks = rng.random(n) < np.where((u % 2) == (v % 2), 0.8, 0.2)
+    train, held = _interactions(u[:5000], v[:5000], clicks[:5000]), _interactions(u[5000:], v[5000:], clicks[5000:])
+    mf = MatrixFactorization(dim=4, seed=0).fit(train, holdout=held)
+    assert auc(mf.score(held.user_ids, held.video_ids)[:, 0], held.labels[:, 0]) > 0.75
+    scores = mf.score(np.array([0, 0]), np.array([999, 999]))  # an unseen video: finite, defined
+    assert np.isfinite(scores).all()
+
+
+@pytest.fixture(scope="module")
+def processed(tmp_path_factory):
+    return build_processed(tmp_path_factory.mktemp("quality"), scale=0.002, seed=3)
+
+
+def test_quality_split_keeps_the_evaluation_period_unseen(processed):
+    dataset = InferenceDataset(processed)
+    split = quality_split(dataset, 20220422)
+    split_ms = date_to_ms(20220422)
+    assert np.all(dataset.requests.time_ms[split.eval_requests] >= split_ms)
+    assert np.all(dataset.requests.time_ms[split.train_requests] < dataset.requests.time_ms[split.holdout_requests[0]])
+    expected = int(dataset.requests.num_candidates[split.eval_requests].sum())
+    assert len(split.eval_pairs.user_ids) == expected
+    assert len(split.fit_events.user_ids) < len(split.training_period_events.user_ids)
+    with pytest.raises(ValueError, match=r"scores of shape \(3, 8\)"):
+        compare(split, {"model": np.zeros((3, 8))})
+
+
+def test_quality_benchmark_script(processed, tmp_path):
+    """Trains a tiny model, scores the evaluation period through the KV cache, prints and writes the table."""
+    out = tmp_path / "quality.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmark" / "quality_benchmark.py"), "--data_dir", str(processed),
+         "--checkpoint", str(tmp_path / "ckpt"), "--preset", "tiny", "--epochs", "1", "--max_eval_requests", "60",
+         "--output", str(out)],
+        capture_output=True, text=True, env=subprocess_env(), timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["auc"]) == {"HSTU", "item popularity", "user-kNN collaborative filter", "matrix factorisation"}
+    assert all(0.0 < a["click"] < 1.0 for a in report["auc"].values())
+    assert report["training"]["candidates_per_second"] > 0
+    assert report["click_best_baseline"]["name"] != "HSTU"
+    assert "click: HSTU" in result.stdout and "candidates/s" in result.stdout
+    assert (tmp_path / "ckpt" / "model.pt").is_file()

@@ -1,0 +1,154 @@
+"""Why a model can learn which items a user likes: the checks behind docs/model.md "Learning".
+
+Candidate logits follow the candidate's own video; labels line up with candidates; embedding
+rows of videos seen once in training move; the trainer keeps its best holdout epoch; and
+training's smaller attention blocks compute the same function as serving's.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from data.dataset import InferenceDataset
+from data.schema import action_labels
+from helpers import Visit, build_processed, make_batch, random_histories, sensitive_model, tiny_config
+from model.evaluation import EarlyStopping, score_requests, window_batch
+from model.recommender import HSTURecommender
+from model.train import TRAINING_ATTENTION_BLOCKS, TrainParams, config_for_dataset, split_requests, train
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> InferenceDataset:
+    return InferenceDataset(build_processed(tmp_path_factory.mktemp("signal"), scale=0.002, seed=3))
+
+
+def _window_batches(model, dataset, indices, max_history_events=None):
+    return [window_batch(model, dataset, idx, max_history_events) for idx in dataset.batches(indices, 8)]
+
+
+def _visits(rng):
+    config = tiny_config()
+    histories = random_histories(rng, 3, (20, 40), config)
+    visits = [Visit(u, len(h.video_ids), rng.integers(0, 50_000, size=6)) for u, h in histories.items()]
+    return config, histories, visits
+
+
+def test_candidate_logits_move_with_their_candidates():
+    rng = np.random.default_rng(0)
+    config, histories, visits = _visits(rng)
+    model = sensitive_model(config)
+    with torch.no_grad():
+        logits = model(make_batch(histories, visits))
+        permutations = [rng.permutation(len(v.candidates)) for v in visits]
+        permuted = [replace(v, candidates=v.candidates[p]) for v, p in zip(visits, permutations)]
+        permuted_logits = model(make_batch(histories, permuted))
+    offsets = np.cumsum([0] + [len(v.candidates) for v in visits])
+    order = np.concatenate([o + p for o, p in zip(offsets, permutations)])
+    torch.testing.assert_close(permuted_logits, logits[order], rtol=1e-5, atol=1e-5)
+    # ...and they depend on the video: candidates of one visit do not all score alike.
+    for a, b in itertools.pairwise(offsets):
+        assert logits[a:b, 0].std() > 1e-3
+
+
+def test_changing_one_candidate_changes_only_its_logits():
+    rng = np.random.default_rng(1)
+    config, histories, visits = _visits(rng)
+    model = sensitive_model(config)
+    changed = [replace(visits[0], candidates=np.r_[visits[0].candidates[:-1], 123_457])] + visits[1:]
+    with torch.no_grad():
+        before, after = model(make_batch(histories, visits)), model(make_batch(histories, changed))
+    moved = (before - after).abs().amax(dim=1) > 1e-6
+    assert moved.tolist() == [i == len(visits[0].candidates) - 1 for i in range(len(moved))]
+
+
+def test_labels_line_up_with_candidates(dataset):
+    indices = dataset.request_indices()[:40]
+    model = HSTURecommender(config_for_dataset("tiny", dataset))
+    req = dataset.requests
+    for idx in dataset.batches(indices, 8):
+        batch = window_batch(model, dataset, idx)
+        row = 0
+        for i in idx:
+            end = int(req.end[i])
+            events = dataset.user_events(int(req.user_id[i]), end, end + int(req.num_candidates[i]))
+            m = len(events.video_ids)
+            np.testing.assert_array_equal(batch.candidate_video_ids[row:row + m], events.video_ids)
+            np.testing.assert_array_equal(batch.labels[row:row + m], action_labels(events.action_weights))
+            row += m
+        assert row == len(batch.labels)
+
+
+def test_training_blocks_compute_the_serving_function(dataset):
+    indices = dataset.request_indices()[:24]
+    torch.manual_seed(0)
+    model = HSTURecommender(config_for_dataset("tiny", dataset)).eval()
+    batch = window_batch(model, dataset, next(dataset.batches(indices, 8)))
+    with torch.no_grad():
+        serving = model(batch)
+        model.attention_blocks = TRAINING_ATTENTION_BLOCKS
+        training = model(batch)
+    torch.testing.assert_close(training, serving, rtol=1e-5, atol=1e-5)
+
+
+def test_rare_video_embeddings_move_in_training(dataset):
+    params = TrainParams(preset="tiny", epochs=1, batch_size=8, seed=0)
+    torch.manual_seed(1)
+    model = HSTURecommender(config_for_dataset("tiny", dataset).replace(dropout=0.1))
+    initial_rows = model.embedder.collection.embeddings["table_video_id"].weight.detach().clone()
+    train_idx, _ = split_requests(dataset, params)
+    batches = _window_batches(model, dataset, train_idx, params.max_history_events)
+    candidates = np.concatenate([b.candidate_video_ids for b in batches]) % model.config.video_hash_size
+    ids, counts = np.unique(candidates, return_counts=True)
+    once = ids[counts == 1]
+    assert len(once) > 10
+    trained, _ = train(dataset, params, model=model)
+    rows = trained.embedder.collection.embeddings["table_video_id"].weight.detach()
+    moved = (rows[once] - initial_rows[once]).abs().amax(dim=1) > 1e-4
+    assert moved.all(), f"{int((~moved).sum())} of {len(once)} videos seen once did not move"
+    assert (trained.embedder.video_bias.weight.detach()[once].abs().amax(dim=1) > 1e-4).all()
+    # Rows that no training visit reads (as a candidate or in its cropped history) stay put.
+    history = np.concatenate([b.video_ids for b in batches]) % model.config.video_hash_size
+    unread = np.setdiff1d(np.arange(model.config.video_hash_size), np.concatenate([candidates, history]))
+    torch.testing.assert_close(rows[unread], initial_rows[unread])
+
+
+def test_early_stopping_keeps_the_best_epoch():
+    model = torch.nn.Linear(2, 1)
+    stopper = EarlyStopping(patience=2)
+    losses = [0.9, 0.7, 0.8, 0.75, 0.6]
+    stops, states = [], []
+    for epoch, loss in enumerate(losses, 1):
+        with torch.no_grad():
+            model.weight.fill_(float(epoch))
+        states.append(epoch)
+        stops.append(stopper.update(epoch, loss, model))
+    assert stops == [False, False, False, True, False][: len(stops)]
+    assert stopper.best_epoch == 5 and stopper.best_loss == 0.6
+    stopper = EarlyStopping(patience=2)
+    for epoch, loss in enumerate([0.5, 0.7, 0.8], 1):
+        with torch.no_grad():
+            model.weight.fill_(float(epoch))
+        stop = stopper.update(epoch, loss, model)
+    assert stop and stopper.best_epoch == 1
+    stopper.restore_best(model)
+    assert torch.all(model.weight == 1.0)
+    with pytest.raises(ValueError, match="patience"):
+        EarlyStopping(patience=0)
+
+
+def test_trainer_reports_epochs_throughput_and_keeps_the_best(dataset):
+    params = TrainParams(preset="tiny", epochs=3, patience=1, batch_size=8, seed=0)
+    model, report = train(dataset, params)
+    assert 1 <= len(report.epochs) <= 3 and report.steps > 0
+    assert report.candidates_per_second > 0 and report.requests_per_second > 0
+    best = min(report.epochs, key=lambda e: e.holdout_loss)
+    assert report.best_epoch == best.epoch and report.holdout_auc == best.holdout_auc
+    assert report.stopped_early == (len(report.epochs) < 3)
+    _, holdout = split_requests(dataset, params)
+    again = score_requests(model, dataset, holdout, params.batch_size, progress=False)
+    assert again.mean_bce() == pytest.approx(best.holdout_loss, rel=1e-5)
+    assert model.attention_blocks is None and not model.training
