@@ -284,12 +284,12 @@ class KVCacheManager:
                         wanted[u] = h
             if not wanted:
                 return 0
-            page_size = self._layout.page_size
+            room = self._pool.num_free + self._evictable_pages(exclude=wanted.keys())
             need = 0
             for u, h in list(wanted.items()):
-                pages = -(-h.length // page_size)
-                if need + pages > self._pool.num_free + self._evictable_pages(exclude=wanted.keys()):
-                    del wanted[u]
+                pages = self._layout.num_pages(h.length)
+                if need + pages > room:
+                    del wanted[u]  # a later, smaller user may still fit
                 else:
                     need += pages
             if need > self._pool.num_free:
