@@ -1,4 +1,4 @@
-"""Child process of the kill -9 test (test_kvcache_disk.py): serves and offloads users forever.
+"""Child process of the kill -9 test (test_disk_tier.py): serves and offloads users forever.
 
 Each user's data is `token_kv(user, position, salt)` and its tag is the salt, so the parent can
 check every entry it finds on disk. The writer resumes from what the directory holds (it is
