@@ -1,7 +1,9 @@
 """KVCacheManager: the user-keyed paged KV cache (the API the model codes against).
 
-Per-user state lives here; pages come from `DevicePagePool`, victims from an
-`EvictionPolicy`, and the host tier is any `HostKVStorage`. One RLock guards all of it.
+The API, pending prepares and their validation live here; which users the device holds and
+the moves between device pages and the tiers live in `Residency`; pages come from
+`DevicePagePool`, victims from an `EvictionPolicy`, and the host tier is any `HostKVStorage`.
+One RLock guards all of it.
 
 A user is, at any time, in one of these states (docs/kvcache.md draws the machine):
 
@@ -22,7 +24,7 @@ import itertools
 import threading
 import weakref
 from array import array
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,27 +39,12 @@ from .metadata import KVCacheMetadata, build_metadata, token_slots
 from .offload import OffloadWorker
 from .policy import make_policy
 from .pool import DevicePagePool
+from .residency import Residency, Resident
 from .stats import CacheStats, new_counters, tier_counters
 from .storage import HostEntry, HostKVStorage, HostPages, build_host_storage
 from .validation import UserIds, check_continues, check_expected, check_range, int_list, tag_list
 
-_NOTHING = HostEntry(0, 0)
 _PREPARE_IDS = itertools.count(1)  # process-wide, so a metadata object from another manager is refused too
-
-
-class _Resident:
-    """A user's committed tokens on the device (plus reserved pages while in flight)."""
-
-    __slots__ = ("length", "pages", "start_pos", "synced", "tag")
-
-    def __init__(self, start_pos: int, length: int, pages: array, tag: bytes = b"", synced: HostEntry | None = None):
-        self.start_pos = start_pos
-        self.length = length
-        self.pages = pages
-        self.tag = tag  # the caller's fingerprint of the committed tokens (travels to the host tiers)
-        # The host entry this manager last wrote or onloaded for the user: an offload appends only to
-        # that one, never to an entry another writer (node, process) put there meanwhile.
-        self.synced = synced
 
 
 @dataclass
@@ -110,13 +97,16 @@ class KVCacheManager:
         self._host = host_storage
         self._policy = make_policy(config.eviction_policy)
         self._lock = threading.RLock()
-        self._users: dict[int, _Resident] = {}
         self._pending: dict[int, _Pending] = {}  # prepare id -> what it changed
         self._in_flight: set[int] = set()
         self._events = CacheEvents(event_listener)
         self._closed = False
-        self._offload_requested: set[int] = set()  # async offloads not yet run
         self._counters = new_counters()
+        self._residency = Residency(
+            self._layout, self._pool, host_storage, self._policy, self._events, self._counters, self._in_flight
+        )
+        self._users = self._residency.users
+        self._offload_requested = self._residency.offload_requested
         self._worker: OffloadWorker | None = None
         if config.async_offload:
             self._worker = OffloadWorker(weakref.WeakMethod(self._run_offload_job))
@@ -161,7 +151,7 @@ class KVCacheManager:
         with self._lock:
             self._check_open()
             for u in self._refusing(int_list, user_ids, "user_ids"):
-                start, length, _ = self._cached_entry(u)
+                start, length, _ = self._residency.cached_entry(u)
                 starts.append(start)
                 lengths.append(length)
         return torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
@@ -170,7 +160,7 @@ class KVCacheManager:
         """The tag stored with each user's cached tokens (the one `get_user_kvdata_info` reports on);
         b"" when nothing is cached or the data was stored without a tag."""
         with self._lock:
-            return [self._cached_entry(u).tag for u in self._refusing(int_list, user_ids, "user_ids")]
+            return [self._residency.cached_entry(u).tag for u in self._refusing(int_list, user_ids, "user_ids")]
 
     def read_kv(self, user_id: int, layer: int) -> tuple[Tensor, Tensor]:
         """The committed K and V of a user for one layer, [cached_len, H, D] each on the device (a copy)."""
@@ -218,7 +208,7 @@ class KVCacheManager:
             self._check_open()
             plan = self._refusing(self._plan_prepare, user_ids, start_pos, new_lengths, tags, expected_cached_lengths)
             if plan.pages_needed > self._pool.num_free:
-                self._evict_for(plan.pages_needed, batch=set(plan.user_ids), protect=plan.on_host.keys())
+                self._residency.evict_for(plan.pages_needed, batch=set(plan.user_ids), protect=plan.on_host.keys())
             host_pages = self._refusing(self._read_host, plan)
             return self._execute(plan, host_pages)
 
@@ -233,7 +223,7 @@ class KVCacheManager:
                 if tag is not None:
                     res.tag = tag
                 if res.length == 0:  # a visit with nothing new by a user with nothing cached
-                    self._drop_resident(u)
+                    self._residency.drop(u)
                 else:
                     self._events.on_device(u, res.start_pos, res.length)
             self._events.flush()
@@ -257,7 +247,7 @@ class KVCacheManager:
             freed += res.pages[kept:]
             del res.pages[kept:]
             if created:
-                self._drop_resident(u)
+                self._residency.drop(u)
         self._pool.free(freed)
         self._in_flight.difference_update(pending.user_ids)
         self._counters["rollbacks"] += 1
@@ -284,24 +274,7 @@ class KVCacheManager:
                         wanted[u] = h
             if not wanted:
                 return 0
-            room = self._pool.num_free + self._evictable_pages(exclude=wanted.keys())
-            need = 0
-            for u, h in list(wanted.items()):
-                pages = self._layout.num_pages(h.length)
-                if need + pages > room:
-                    del wanted[u]  # a later, smaller user may still fit
-                else:
-                    need += pages
-            if need > self._pool.num_free:
-                self._evict_for(need, batch=set(wanted), protect=wanted.keys())
-            self._pool.sync_onloads()  # a read may promote into host memory an onload still reads
-            onloaded = 0
-            for u, h in wanted.items():
-                hp = self._host.read(u)
-                if hp is None or hp.entry != h:
-                    continue  # lost or changed meanwhile: the next prepare finds out and re-plans
-                self._onload(u, hp, self._pool.alloc(self._layout.num_pages(hp.length)))
-                onloaded += 1
+            onloaded = self._residency.prefetch(wanted)
             self._counters["prefetched_users"] += onloaded
             self._events.flush()
             return onloaded
@@ -320,7 +293,7 @@ class KVCacheManager:
                 users = [u for u in self._refusing(int_list, user_ids, "user_ids") if u in self._users]
             if self._worker is None:
                 for u in users:
-                    self._offload(u)
+                    self._residency.offload(u)
                 self._events.flush()
             else:
                 self._offload_requested.update(users)
@@ -344,7 +317,7 @@ class KVCacheManager:
                 users = self._refusing(self._checked_users, user_ids, "evicted")
             for u in users:
                 if u in self._users:
-                    self._evict(u, offload=False)
+                    self._residency.evict(u, offload=False)
             self._events.flush()
 
     def invalidate_kv_cache(self, user_ids: UserIds) -> None:
@@ -354,7 +327,7 @@ class KVCacheManager:
             users = self._refusing(self._checked_users, user_ids, "invalidated")
             for u in users:
                 if u in self._users:
-                    self._drop_resident(u)
+                    self._residency.drop(u)
                 self._host.drop(u)
                 self._offload_requested.discard(u)
                 self._events.gone(u)
@@ -432,14 +405,6 @@ class KVCacheManager:
         except KVCacheRequestError:
             self._counters["refusals"] += 1
             raise
-
-    def _cached_entry(self, u: int) -> HostEntry:
-        """What is reusable for the user: the device's committed tokens, else the host's entry, else (0, 0)."""
-        res = self._users.get(u)
-        if res is not None and res.length:
-            return HostEntry(res.start_pos, res.length, res.tag)
-        h = self._host.info(u) if res is None else None
-        return h if h is not None else _NOTHING
 
     def _checked_users(self, user_ids: UserIds, verb: str) -> list[int]:
         users = int_list(user_ids, "user_ids")
@@ -536,12 +501,12 @@ class KVCacheManager:
             if res is not None:
                 policy.touch(u)
             elif is_new:
-                res = users[u] = _Resident(start, 0, array("q"))
+                res = users[u] = Resident(start, 0, array("q"))
                 policy.add(u)
             else:
                 hp = host_pages[u]
                 n = self._layout.num_pages(hp.length)
-                res = self._onload(u, hp, fresh[taken : taken + n])
+                res = self._residency.onload(u, hp, fresh[taken : taken + n])
                 taken += n
             have = len(res.pages)
             extra = -(-(res.length + new) // page_size) - have
@@ -580,93 +545,12 @@ class KVCacheManager:
         del self._pending[meta.prepare_id]
         return pending
 
-    def _evictable_pages(self, exclude: Collection[int]) -> int:
-        return sum(len(res.pages) for u, res in self._users.items() if u not in self._in_flight and u not in exclude)
-
-    def _evict_for(self, pages_needed: int, batch: set[int], protect: Collection[int]) -> None:
-        """Evict users (never the batch or users in flight) until `pages_needed` pages are free.
-
-        Victims are offloaded first; their host writes must not push `protect` out of the host.
-        """
-        victims, free = [], self._pool.num_free
-        for u in self._policy.order():
-            if free >= pages_needed:
-                break
-            if u not in batch and u not in self._in_flight:
-                victims.append(u)
-                free += len(self._users[u].pages)
-        for u in victims:
-            self._evict(u, offload=True, protect=protect)
-
-    def _evict(self, u: int, offload: bool, protect: Collection[int] = ()) -> None:
-        """Drop a resident user from the device, offloading first if asked (or if an async offload is pending)."""
-        if offload or u in self._offload_requested:
-            self._offload(u, protect)
-        self._drop_resident(u)
-        self._counters["device_evictions"] += 1
-        held = self._host.info(u)
-        if held is None:
-            self._events.gone(u)
-        else:
-            self._events.on_host(u, held.start_pos, held.length)
-
-    def _drop_resident(self, u: int) -> None:
-        res = self._users.pop(u)
-        self._policy.remove(u)
-        self._pool.free(res.pages)
-        self._offload_requested.discard(u)
-
-    def _onload(self, u: int, hp: HostPages, pages: array) -> _Resident:
-        self._pool.copy_in(pages, hp.pages)
-        res = self._users[u] = _Resident(hp.start_pos, hp.length, pages, hp.tag, synced=hp.entry)
-        self._policy.add(u)
-        self._counters["onloaded_bytes"] += len(pages) * self._layout.page_nbytes
-        self._events.on_device(u, hp.start_pos, hp.length)
-        return res
-
-    def _offload(self, u: int, protect: Collection[int] = ()) -> None:
-        """Make the host hold exactly the user's committed device data, writing only what it lacks.
-
-        Incremental only on top of the entry this manager wrote or onloaded (`synced`): a shared tier
-        may hold a same-start entry of another history (another node), whose pages must not be kept.
-        """
-        self._offload_requested.discard(u)
-        res = self._users.get(u)
-        if res is None or res.length == 0:
-            return
-        h = self._host.info(u)
-        ours = HostEntry(res.start_pos, res.length, res.tag)
-        if h == ours:
-            res.synced = ours
-            return
-        num_pages = self._layout.num_pages(res.length)
-        if h is not None and h == res.synced:
-            # Rewrite the partial last page, then the new ones (the last page alone for a new tag).
-            first = min(h.length // self._layout.page_size, num_pages - 1)
-        else:
-            first = 0
-        pages = res.pages[first:num_pages]
-        self._pool.sync_onloads()  # the tier may rewrite host memory an onload still reads
-        result = self._host.write(
-            u, res.start_pos, res.length, first, lambda dst: self._pool.copy_out(pages, dst),
-            protect=protect, tag=res.tag,
-        )
-        if result.stored:
-            res.synced = ours
-            self._counters["offloaded_bytes"] += len(pages) * self._layout.page_nbytes
-        else:
-            self._counters["host_rejected_writes"] += 1
-        self._counters["host_evictions"] += len(result.evicted)
-        for v, _ in result.evicted:
-            if v not in self._users:
-                self._events.gone(v)
-
     def _run_offload_job(self, user_ids: tuple[int, ...]) -> None:
         """Worker side of an async offload: one user per lock hold, skipping users already handled."""
         for u in user_ids:
             with self._lock:
                 if u in self._offload_requested:
-                    self._offload(u)
+                    self._residency.offload(u)
                     self._events.flush()
 
 
