@@ -1,12 +1,16 @@
-"""Train the ranking model on preprocessed visits (full recompute, no cache).
+"""Train the ranking model on preprocessed visits (the serving forward, full recompute, no cache).
 
     python -m model.train --data_dir OUT --checkpoint DIR [--preset demo] [--split_date 20220422]
 
 Visits before the split date are the training period; its last `--holdout_fraction` (in
-time) is held out for per-task AUC. Every visit scores its candidates with the model's
-own window over the history, exactly as serving does, with per-task binary
-cross-entropy. Embedding tables get sparse gradients (SparseAdam), dense layers AdamW,
-so a step costs what the batch touches, not the vocabulary size.
+time) is held out. Every visit scores its candidates with the serving forward over its
+window, cropped to the last `--max_history_events` events, with per-task binary
+cross-entropy. After each epoch the holdout is scored exactly as serving scores it; the
+epoch with the lowest holdout loss is kept and training stops after `--patience` epochs
+without a better one. Embedding tables (and the per-video logit offsets, at their own rate)
+get sparse gradients (SparseAdam), dense layers AdamW with warm-up and cosine decay, so a
+step costs what the batch touches, not the vocabulary size. The report gives training
+samples (candidates) per second.
 """
 from __future__ import annotations
 
