@@ -27,8 +27,11 @@ import numpy as np
 from data.jagged import offsets, row_ids_and_ranks
 from model.batch_shape import BatchShape
 
-QUERY_BLOCK = 256
+QUERY_BLOCKS = (32, 64, 128, 256)  # the blocked path picks one per schedule (`query_block_for`)
 KEY_BLOCK = 512
+# What a small query block costs beyond its padded work: more, smaller matmuls and pairs. A block
+# of qb rows is charged as qb + SMALL_BLOCK_COST rows.
+SMALL_BLOCK_COST = 16
 NO_KEY = np.iinfo(np.int64).max  # key position of a padding slot: above every query's key_end
 
 
@@ -114,7 +117,8 @@ def plan_attention(
     key_block: int | None = None,
 ) -> AttentionPlan:
     """`page_capacity` fixes the length of the triton page table (a bucket's bound); `splits` is
-    the triton key split (see model/attention/triton_attention.py)."""
+    the triton key split (see model/attention/triton_attention.py). `query_block` fixes the
+    blocked path's query block (default: the cheapest for each schedule, `query_block_for`)."""
     n = np.asarray(history_lengths, dtype=np.int64)
     m = np.asarray(candidate_lengths, dtype=np.int64)
     c = np.asarray(cached_lengths, dtype=np.int64)
@@ -125,8 +129,32 @@ def plan_attention(
         return AttentionPlan(*common, backend, None, None, _triton_arrays(*common, page_capacity), splits)
     if backend != "blocked":
         raise ValueError(f"unknown attention backend {backend!r}; choose blocked or triton")
-    schedule = _Scheduler(*common, query_block or QUERY_BLOCK, key_block or KEY_BLOCK)
-    return AttentionPlan(*common, backend, schedule.blocks(np.zeros_like(n)), schedule.blocks(n), None)
+    schedule = _Scheduler(*common, key_block or KEY_BLOCK)
+    all_rows, candidate_rows = np.zeros_like(n), n
+    return AttentionPlan(
+        *common, backend,
+        schedule.blocks(all_rows, query_block or query_block_for(n + m, c + n)),
+        schedule.blocks(candidate_rows, query_block or query_block_for(m, c + n)),
+        None,
+    )
+
+
+def query_block_for(query_rows: np.ndarray, keys: np.ndarray) -> int:
+    """The query block of QUERY_BLOCKS with the least work for users with these query rows and keys.
+
+    Rows are padded to whole blocks (a visit of 10 new events and 64 candidates leaves 71% of a
+    256-row block empty) and smaller blocks cost more per row; full recompute of a long window
+    pads little at any size and takes the larger blocks. Ties go to the larger block.
+
+    >>> query_block_for(np.array([74, 74]), np.array([1000, 1500])), query_block_for(np.array([2112]), np.array([2048]))
+    (128, 256)
+    """
+    rows, keys = np.asarray(query_rows, np.int64), np.maximum(np.asarray(keys, np.int64), 1)
+
+    def work(qb: int) -> float:
+        return float((-(-rows // qb) * keys).sum()) * (qb + SMALL_BLOCK_COST)
+
+    return min(reversed(QUERY_BLOCKS), key=work)
 
 
 def _triton_arrays(n, m, c, history_offsets, candidate_offsets, addressing, shape, page_capacity):
@@ -161,10 +189,10 @@ def _triton_arrays(n, m, c, history_offsets, candidate_offsets, addressing, shap
 
 class _Scheduler:
     def __init__(
-        self, n, m, c, history_offsets, candidate_offsets, addressing: KeyAddressing, shape: BatchShape, qb: int, kb: int
+        self, n, m, c, history_offsets, candidate_offsets, addressing: KeyAddressing, shape: BatchShape, kb: int
     ) -> None:
         self.n, self.m, self.c = n, m, c
-        self.qb, self.kb = qb, kb
+        self.kb = kb
         self.history_offsets, self.candidate_offsets = history_offsets, candidate_offsets
         self.addressing = addressing
         self.n_hist = shape.history_rows  # candidate rows start here
@@ -175,9 +203,9 @@ class _Scheduler:
         n, c = self.n[user], self.c[user]
         return np.where(row < n, c + row + 1, c + n)
 
-    def blocks(self, first_row: np.ndarray) -> BlockSchedule:
-        """The blocks and pairs for query rows first_row[b] .. n_b + m_b - 1 of every user b."""
-        qb, kb = self.qb, self.kb
+    def blocks(self, first_row: np.ndarray, qb: int) -> BlockSchedule:
+        """The blocks of `qb` rows and pairs for query rows first_row[b] .. n_b + m_b - 1 of every user b."""
+        kb = self.kb
         seq_len = self.n + self.m
         rows_per_user = np.maximum(seq_len - first_row, 0)
         block_user, block_rank = row_ids_and_ranks(-(-rows_per_user // qb))

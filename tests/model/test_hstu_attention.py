@@ -7,16 +7,16 @@ import torch
 
 from helpers import dense_hstu_reference, paged_attention_case
 from model.attention import BatchAttention, attend, host_inputs
-from model.attention.plan import KeyAddressing, plan_attention
+from model.attention.plan import QUERY_BLOCKS, KeyAddressing, plan_attention, query_block_for
 
 H, D, ALPHA, N = 2, 8, 0.3, 64.0
 
 
 @pytest.mark.parametrize("page_size", [0, 1, 4, 16])
-@pytest.mark.parametrize("query_block, key_block", [(4, 8), (128, 256), (3, 5)])
+@pytest.mark.parametrize("query_block, key_block", [(4, 8), (128, 256), (3, 5), (None, None)])
 def test_batched_attention_matches_the_dense_reference(page_size, query_block, key_block):
-    rng = np.random.default_rng(page_size * 7 + query_block)
-    torch.manual_seed(query_block)
+    rng = np.random.default_rng(page_size * 7 + (query_block or 1))
+    torch.manual_seed(query_block or 1)
     cached = [0] * 5 if page_size == 0 else [0, 20, 50, 3, 9]
     new, cands = [1, 13, 0, 16, 40], [1, 3, 4, 0, 7]  # no new events; no candidates
     case = paged_attention_case(rng, cached, new, cands, page_size, heads=H, head_dim=D)
@@ -45,3 +45,16 @@ def test_masked_blocks_are_never_visited():
     plan = plan_attention(np.array([64]), np.array([0]), np.array([0]), KeyAddressing(0), query_block=16, key_block=16)
     assert plan.all_rows.num_pairs == 1 + 2 + 3 + 4  # the lower triangle of 4 x 4 blocks
     assert plan.candidate_rows.num_pairs == 0
+
+
+def test_query_blocks_follow_the_batch_so_cached_visits_pad_little():
+    # A cached visit (10 new events, 64 candidates over ~1,000 cached keys) and its candidates-only
+    # schedule get blocks that fit them; full recompute of a long window gets large blocks.
+    cached_visit, full_window = query_block_for(np.array([74] * 8), np.full(8, 1000)), query_block_for(
+        np.array([2112]), np.array([2048]))
+    candidates_only = query_block_for(np.array([64] * 8), np.full(8, 1000))
+    assert cached_visit < full_window == max(QUERY_BLOCKS)
+    assert candidates_only == 64  # exactly one block per user, nothing padded
+    plan = plan_attention(np.array([10, 10]), np.array([64, 64]), np.array([900, 1100]), KeyAddressing(0))
+    assert plan.candidate_rows.block_rows.shape[1] == 64
+    assert plan.all_rows.block_rows.shape[1] == cached_visit

@@ -130,7 +130,7 @@ def test_corrupted_cache_is_caught_by_parity():
 def test_parity_when_attention_runs_in_many_blocks(monkeypatch):
     import model.attention.plan as plan
 
-    monkeypatch.setattr(plan, "QUERY_BLOCK", 8)  # full recompute now spans many blocks, visits few
+    monkeypatch.setattr(plan, "QUERY_BLOCKS", (8,))  # full recompute now spans many blocks, visits few
     monkeypatch.setattr(plan, "KEY_BLOCK", 4)
     cfg = tiny_config()
     model = sensitive_model(cfg, 5)
