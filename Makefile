@@ -18,7 +18,7 @@ PROCESSED   := $(ARTIFACTS)/processed
 CHECKPOINT  := $(ARTIFACTS)/checkpoint
 DEMO_PRESET ?= demo
 DEMO_REQUESTS ?=
-TRAIN_SECONDS ?= 210
+TRAIN_SECONDS ?= 150
 
 .PHONY: demo test venv clean check-gpu-install
 
