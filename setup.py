@@ -1,4 +1,4 @@
-"""Installable package: `pip install -e .` makes `data`, `model`, `kvcache` importable.
+"""Installable package: `pip install -e .` makes `data`, `model`, `kvcache`, `serve` importable.
 
 Versions are pinned in constraints.txt (the one place, docs/install.md). The device stack is
 an extra, so that a GPU machine never pulls fbgemm's CPU build: `pip install -e .[cuda] -c
@@ -24,7 +24,7 @@ setup(
     version="0.2.0",
     description="HSTU generative-recommender inference with a user-keyed paged KV cache",
     python_requires=">=3.10",
-    packages=find_packages(include=["data", "data.*", "model", "model.*", "kvcache", "kvcache.*"]),
+    packages=find_packages(include=["data", "data.*", "model", "model.*", "kvcache", "kvcache.*", "serve", "serve.*"]),
     py_modules=["preprocessor_inference"],
     install_requires=_names("requirements.txt"),
     extras_require={

@@ -1,0 +1,245 @@
+"""A node's scoring: checked queries -> `InferenceSession.score`, and where each visit's K/V came from.
+
+The engine owns the node's model, dataset (its stand-in for a feature store: a request names a
+user and a time, the user's events before that time are read from it) and KV cache. Scoring
+runs on one thread (the node's compute thread); `validate` is cheap and runs on the event loop.
+
+Per visit it reports what a capacity planner and the router's evaluation need: the tier the
+reused K/V came from (this node's device or host memory, the shared Redis tier, or none), the
+tokens reused, computed and *recomputed* (history tokens the visit computed although a tier
+this node can see held them: a stale copy on the device while the shared tier held more), and
+the bytes reloaded from the shared tier. These are planned with the same pure functions the
+session plans with (`TokenLayout.plan` / `spans`), before the visit runs.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from data.dataset import InferenceDataset, UnknownUserError
+from kvcache import (
+    CacheEvent,
+    CacheEventListener,
+    HostKVStorage,
+    KVCacheCapacityError,
+    KVCacheConfig,
+    KVCacheManager,
+    TieredHostStorage,
+    build_host_storage,
+)
+from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
+from model.inference import InferenceSession, ScoreRequest
+from model.recommender import HSTURecommender
+from serve.locality_index import DEVICE, HOST, NONE, SHARED
+from serve.protocol import ScoreQuery, VisitCache, unprocessable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    data_dir: str
+    checkpoint: str
+    device: str = "cpu"
+    kv_pages: int = 1024  # device pool pages (at least one largest window)
+    page_size: int | None = None  # None: the model's
+    host_capacity_bytes: int = 1 << 30
+    redis_url: str | None = None  # the shared tier (and the locality index); None: this node alone
+    redis_capacity_bytes: int = 8 << 30
+    async_offload: bool = True
+    offload_each_visit: bool = True  # write each visit's K/V through to the host tiers (and Redis)
+    max_candidates: int = 512
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    logits: list[list[float]]  # [candidates][tasks]
+    history_length: int
+    cache: VisitCache
+
+
+class CacheLocations:
+    """The cache's event listener: which users are on the device now; passes the events on to
+    its subscribers (the locality index's publisher). Runs under the cache's lock."""
+
+    def __init__(self) -> None:
+        self._on_device: set[int] = set()
+        self._subscribers: list[CacheEventListener] = []
+
+    def subscribe(self, listener: CacheEventListener) -> None:
+        self._subscribers.append(listener)
+
+    def __call__(self, events: list[CacheEvent]) -> None:
+        for event in events:
+            if event.location.value == DEVICE:
+                self._on_device.add(event.user_id)
+            else:
+                self._on_device.discard(event.user_id)
+        for listener in self._subscribers:
+            listener(events)
+
+    def on_device(self, user_id: int) -> bool:
+        return user_id in self._on_device
+
+
+class ScoringEngine:
+    def __init__(
+        self,
+        model: HSTURecommender,
+        dataset: InferenceDataset,
+        cache: KVCacheManager,
+        storage: HostKVStorage,
+        locations: CacheLocations,
+        config: EngineConfig,
+        fingerprint: str | None = None,
+    ) -> None:
+        self.model = model
+        self.dataset = dataset
+        self.cache = cache
+        self.storage = storage
+        self.config = config
+        self.fingerprint = fingerprint or model_fingerprint(model)
+        self.locations = locations
+        self._memory = storage.tiers[0] if isinstance(storage, TieredHostStorage) else storage
+        self.session = InferenceSession(
+            model, dataset, kv_cache=cache, model_fingerprint=self.fingerprint,
+            offload_between_visits=config.offload_each_visit,
+        )
+        self._layout = model.layout
+        self._page_nbytes = cache.config.page_layout.page_nbytes
+        self._page_size = cache.config.page_size
+
+    # ------------------------------------------------------------------ checks (event loop thread)
+    def validate(self, query: ScoreQuery) -> None:
+        """Refuse (RequestError 422) what the session would refuse, before the query is queued."""
+        user = np.array([query.user_id], dtype=np.int64)
+        try:
+            end = int(self.dataset.history_ends(user, np.array([query.request_time_ms], dtype=np.int64))[0])
+        except UnknownUserError:
+            raise unprocessable("unknown_user", f"user {query.user_id} has no events in this node's data") from None
+        if end == 0:
+            raise unprocessable(
+                "no_history", f"user {query.user_id} has no events before request_time_ms={query.request_time_ms}"
+            )
+        if len(query.candidate_video_ids) > self.config.max_candidates:
+            raise unprocessable(
+                "too_many_candidates",
+                f"user {query.user_id}: {len(query.candidate_video_ids)} candidate_video_ids, "
+                f"at most {self.config.max_candidates} per request",
+            )
+
+    # ------------------------------------------------------------------ scoring (compute thread)
+    def score_batch(self, queries: Sequence[ScoreQuery]) -> list[EngineResult]:
+        """Score a batch (each user at most once). A batch whose windows do not fit the device pool
+        together is served one visit at a time."""
+        users = np.array([q.user_id for q in queries], dtype=np.int64)
+        times = np.array([q.request_time_ms for q in queries], dtype=np.int64)
+        ends = self.dataset.history_ends(users, times)
+        visits = self._account(users, ends, [len(q.candidate_video_ids) for q in queries])
+        requests = [ScoreRequest(q.user_id, q.request_time_ms, np.asarray(q.candidate_video_ids, dtype=np.int64))
+                    for q in queries]
+        try:
+            result = self.session.score(requests)
+        except KVCacheCapacityError:
+            if len(queries) == 1:
+                raise
+            log.warning("a batch of %d visits does not fit the device pool: serving it one visit at a time", len(queries))
+            return [self.score_batch([q])[0] for q in queries]
+        reused = sum(v.tokens_reused for v in visits)
+        if reused != result.tokens_reused:  # a cached window whose tag no longer matched was recomputed
+            log.info("visit accounting: planned %d reused tokens, the session reused %d", reused, result.tokens_reused)
+        logits = result.logits.numpy()
+        offsets = np.concatenate([[0], np.cumsum(result.candidate_lengths)])
+        return [
+            EngineResult(logits[offsets[b]:offsets[b + 1]].tolist(), int(ends[b]), visits[b])
+            for b in range(len(queries))
+        ]
+
+    def _account(self, users: np.ndarray, ends: np.ndarray, num_candidates: list[int]) -> list[VisitCache]:
+        """Where each visit's reusable K/V are and what it will compute (before it runs)."""
+        starts, lengths = (t.numpy() for t in self.cache.get_user_kvdata_info(users.tolist()))
+        reused, history = self._reusable(ends, starts, lengths)
+        out = []
+        for b, u in enumerate(users.tolist()):
+            recomputed, reload_bytes = 0, 0
+            if self.locations.on_device(u):
+                tier = DEVICE if reused[b] else NONE
+                best = self.storage.info(u)  # the host tiers (the shared one included) may hold more
+                if best is not None:
+                    other, _ = self._reusable(ends[b:b + 1], np.array([best.start_pos]), np.array([best.length]))
+                    recomputed = max(0, int(other[0]) - int(reused[b]))
+            elif not reused[b]:
+                tier = NONE
+            else:
+                mine = self._memory.info(u)
+                if mine is not None and (mine.start_pos, mine.length) == (int(starts[b]), int(lengths[b])):
+                    tier = HOST
+                else:
+                    tier = SHARED
+                    reload_bytes = -(-int(lengths[b]) // self._page_size) * self._page_nbytes
+            out.append(VisitCache(tier, int(reused[b]), int(history[b]) + num_candidates[b], recomputed, reload_bytes))
+        return out
+
+    def _reusable(self, ends: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """-> (tokens reused, history tokens computed) of visits ending at `ends` given cached (start, length)."""
+        plan = self._layout.plan(ends, starts, lengths)
+        spans = self._layout.spans(plan.window_starts, plan.starts, ends - plan.starts)
+        return spans.expected_cached_lengths, spans.history_lengths
+
+    # ------------------------------------------------------------------ lifecycle
+    def warm_up(self) -> None:
+        """One forward without the cache (first calls into torch are slow), for the shortest history."""
+        row = int(np.argmin(np.diff(self.dataset.event_arrays().offsets)))
+        user = int(self.dataset.user_ids[row])
+        last_time = int(self.dataset.user_events(user, 0, self.dataset.history_length(user)).timestamps_ms[-1])
+        InferenceSession(self.model, self.dataset).score([ScoreRequest(user, last_time + 1, np.array([0]))])
+
+    def reset_cache(self) -> None:
+        """Forget every user's K/V in every tier, the shared one included (a benchmark's fresh start)."""
+        self.cache.wait()
+        self.cache.invalidate_kv_cache(self.dataset.user_ids.tolist())
+
+    def shutdown(self) -> None:
+        """Offload every user's device K/V to the host tiers (the shared one included) and close them."""
+        try:
+            self.cache.offload_kv_cache()
+            self.cache.wait()
+        finally:
+            self.cache.close()
+            self.storage.close()
+
+
+def open_engine(config: EngineConfig) -> ScoringEngine:
+    """Load the dataset and the checkpoint and build the cache the config describes."""
+    dataset = InferenceDataset(config.data_dir)
+    model = load_checkpoint(config.checkpoint, device=config.device).model
+    features = tuple(dataset.user_feature_cardinalities)
+    if model.config.use_contextual_prefix and model.config.user_feature_cardinalities != features:
+        raise CheckpointError(
+            f"{config.checkpoint} was trained for user-feature vocabularies {list(model.config.user_feature_cardinalities)}, "
+            f"the data in {config.data_dir} has {list(features)}"
+        )
+    fingerprint = model_fingerprint(model)
+    cfg = model.config
+    page_size = config.page_size or cfg.page_size
+    window_pages = -(-cfg.max_seq_len // page_size)
+    if config.kv_pages < window_pages:
+        raise ValueError(f"kv_pages={config.kv_pages} cannot hold one full window ({window_pages} pages of {page_size} tokens)")
+    kv_config = KVCacheConfig(
+        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=page_size,
+        num_pages=config.kv_pages, device=config.device, host_capacity_bytes=config.host_capacity_bytes,
+        async_offload=config.async_offload, redis_url=config.redis_url, redis_namespace=fingerprint if config.redis_url else "",
+        redis_capacity_bytes=config.redis_capacity_bytes,
+    )
+    storage = build_host_storage(kv_config)
+    locations = CacheLocations()
+    try:
+        cache = KVCacheManager(kv_config, host_storage=storage, event_listener=locations)
+    except BaseException:
+        storage.close()
+        raise
+    return ScoringEngine(model, dataset, cache, storage, locations, config, fingerprint)
+

@@ -1,0 +1,111 @@
+"""The router's in-memory mirror of the locality index, so that routing costs no Redis round trip.
+
+It subscribes to the index's change channel first, then loads a snapshot of every announced
+node's users, then applies each change message in order. Messages that arrive while the
+snapshot loads are applied on top of it; they are states, not deltas, so re-applying one that
+the snapshot already reflects converges to the same state. A `reset` message (a node replaced
+its whole hash: a restart, a resync) reloads that node. Every `check_interval_s` the nodes whose
+heartbeat key expired are dropped: a dead node's entries vanish here as they do in Redis.
+
+While it is not in sync (starting, Redis unreachable) `synced` is False and the router reads
+Redis directly instead (`LocalityIndexReader.lookup`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from serve.locality_index import Holding, IndexKeys, LocalityIndexReader, decode
+
+log = logging.getLogger("serve.router")
+
+
+class IndexMirror:
+    def __init__(self, client: aioredis.Redis, namespace: str, check_interval_s: float = 0.5) -> None:
+        self.client = client
+        self.keys = IndexKeys(namespace)
+        self.reader = LocalityIndexReader(client, namespace)
+        self.check_interval_s = check_interval_s
+        self.synced = False
+        self.messages = 0  # change messages applied
+        self.resyncs = 0  # snapshots loaded (the first one included)
+        self._by_node: dict[str, dict[int, Holding]] = {}
+
+    def holdings(self, user_id: int, node_ids: Sequence[str]) -> dict[str, Holding]:
+        """What each of `node_ids` holds of the user, as last heard (nodes holding nothing are left out)."""
+        out = {}
+        for node_id in node_ids:
+            holding = self._by_node.get(node_id, {}).get(user_id)
+            if holding is not None:
+                out[node_id] = holding
+        return out
+
+    async def run(self) -> None:
+        """Follow the index until cancelled; after a Redis error, start over with a fresh snapshot."""
+        while True:
+            try:
+                await self._follow()
+            except (aioredis.RedisError, OSError, asyncio.TimeoutError, ValueError) as err:
+                log.warning("locality index mirror lost sync (%s: %s); routing reads Redis until it resyncs",
+                            type(err).__name__, err)
+            self.synced = False
+            await asyncio.sleep(self.check_interval_s)
+
+    async def _follow(self) -> None:
+        pubsub = self.client.pubsub()
+        try:
+            await pubsub.subscribe(self.keys.changes)
+            confirmed = await pubsub.get_message(timeout=5.0)
+            if not confirmed or confirmed.get("type") != "subscribe":
+                raise ValueError(f"no subscription confirmation (got {confirmed!r})")
+            await self._snapshot()
+            loop = asyncio.get_running_loop()
+            next_check = loop.time() + self.check_interval_s
+            while True:
+                message = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                   timeout=max(0.0, next_check - loop.time()))
+                if message is not None and message.get("type") == "message":
+                    await self._apply(json.loads(message["data"]))
+                if loop.time() >= next_check:
+                    await self._drop_expired()
+                    next_check = loop.time() + self.check_interval_s
+        finally:
+            self.synced = False
+            await pubsub.aclose()
+
+    async def _snapshot(self) -> None:
+        members = sorted(m.decode() for m in await self.client.smembers(self.keys.nodes))
+        self._by_node = {node: await self.reader.node_holdings(node) for node in members}
+        await self._drop_expired()
+        self.resyncs += 1
+        self.synced = True
+
+    async def _apply(self, change: dict) -> None:
+        node = str(change["node"])
+        self.messages += 1
+        if change.get("reset"):
+            self._by_node[node] = await self.reader.node_holdings(node)
+            return
+        held = self._by_node.setdefault(node, {})
+        for user, value in change.get("set", {}).items():
+            holding = decode(value)
+            if holding is not None:
+                held[int(user)] = holding
+        for user in change.get("drop", []):
+            held.pop(int(user), None)
+
+    async def _drop_expired(self) -> None:
+        """Forget nodes whose heartbeat key expired."""
+        nodes = list(self._by_node)
+        if not nodes:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for node in nodes:
+            pipe.exists(self.keys.node(node))
+        for node, alive in zip(nodes, await pipe.execute()):
+            if not alive:
+                self._by_node.pop(node, None)

@@ -1,0 +1,189 @@
+"""The locality index: which node holds which user's K/V, on which tier, in Redis.
+
+Kept in the Redis that holds the shared KV tier, under the model fingerprint, so that nodes of
+another model never route by it (`P` = `hstu:{fingerprint}:loc`; the KV tier's own keys are
+`hstu:{fingerprint}:{layout hash}:...`, so the two never meet):
+
+* `P:node:{node_id}`        hash: url, pid, started_ms, heartbeat_ms, queue_depth, users_on_device,
+                            users_on_host -- the node's heartbeat; expires `ttl` after the last one;
+* `P:node:{node_id}:users`  hash: user id -> `device:{start_pos}:{length}` or `host:{start_pos}:{length}`
+                            (cache positions); a user the node dropped has no field. Every write and
+                            every heartbeat re-arms its expiry, so a dead node's entries vanish `ttl`
+                            after its last sign of life;
+* `P:nodes`                 set of node ids that ever announced themselves (a member without a live
+                            `P:node:{id}` is gone);
+* `P:changes`               pub/sub channel: every write is also published, in the same MULTI/EXEC,
+                            as JSON `{"node": id, "set": {user: holding}, "drop": [user]}` or
+                            `{"node": id, "reset": true}` (the node's hash was replaced: reload it).
+
+The node side writes (`LocalityIndexWriter`, synchronous, from the node's publisher thread,
+serve/index_publisher.py). The router keeps an in-memory mirror fed by the channel
+(serve/index_mirror.py), so that routing a request costs no Redis round trip;
+`LocalityIndexReader` reads Redis directly (one round trip per lookup), for the router while its
+mirror is not in sync, and for tools and tests.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import redis
+import redis.asyncio as aioredis
+
+DEVICE = "device"
+HOST = "host"
+SHARED = "shared"
+NONE = "none"
+NODE_TIERS = (DEVICE, HOST)  # what a node publishes; the shared tier belongs to every node
+
+
+class Holding(NamedTuple):
+    """What one node holds of one user: its best tier and the cached token range there."""
+
+    tier: str  # DEVICE or HOST
+    start_pos: int
+    length: int
+
+
+def encode(holding: Holding) -> str:
+    return f"{holding.tier}:{holding.start_pos}:{holding.length}"
+
+
+def decode(value: bytes | str | None) -> Holding | None:
+    """The holding stored in a field (None for a missing or unreadable one)."""
+    if value is None:
+        return None
+    text = value.decode() if isinstance(value, bytes) else value
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in NODE_TIERS or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return Holding(parts[0], int(parts[1]), int(parts[2]))
+
+
+class IndexKeys:
+    def __init__(self, namespace: str) -> None:
+        if not namespace:
+            raise ValueError("the locality index needs a namespace (the model fingerprint)")
+        self.prefix = f"hstu:{namespace}:loc"
+
+    @property
+    def nodes(self) -> str:
+        return f"{self.prefix}:nodes"
+
+    def node(self, node_id: str) -> str:
+        return f"{self.prefix}:node:{node_id}"
+
+    def users(self, node_id: str) -> str:
+        return f"{self.prefix}:node:{node_id}:users"
+
+    @property
+    def changes(self) -> str:
+        return f"{self.prefix}:changes"
+
+
+def change_message(node_id: str, changes: Mapping[int, Holding | None] | None) -> str:
+    """What the channel carries for a write (`changes` None: the node's hash was replaced)."""
+    if changes is None:
+        return json.dumps({"node": node_id, "reset": True})
+    return json.dumps({
+        "node": node_id,
+        "set": {str(u): encode(h) for u, h in changes.items() if h is not None},
+        "drop": [str(u) for u, h in changes.items() if h is None],
+    })
+
+
+class LocalityIndexWriter:
+    """A node's writes. Each call is one MULTI/EXEC round trip; Redis errors propagate."""
+
+    def __init__(self, client: redis.Redis, namespace: str, node_id: str, ttl_ms: int) -> None:
+        if ttl_ms <= 0:
+            raise ValueError(f"ttl_ms must be > 0, got {ttl_ms}")
+        self.client = client
+        self.keys = IndexKeys(namespace)
+        self.node_id = node_id
+        self.ttl_ms = ttl_ms
+
+    def publish(self, changes: Mapping[int, Holding | None]) -> bool:
+        """Set (Holding) or clear (None) users' fields; re-arm the expiry. -> whether the users hash
+        existed before this call (False while the node holds something: it expired, resync)."""
+        users = self.keys.users(self.node_id)
+        stored = {str(u): encode(h) for u, h in changes.items() if h is not None}
+        dropped = [str(u) for u, h in changes.items() if h is None]
+        pipe = self.client.pipeline(transaction=True)
+        pipe.exists(users)
+        if stored:
+            pipe.hset(users, mapping=stored)
+        if dropped:
+            pipe.hdel(users, *dropped)
+        pipe.pexpire(users, self.ttl_ms)
+        pipe.publish(self.keys.changes, change_message(self.node_id, changes))
+        return bool(pipe.execute()[0])
+
+    def replace(self, holdings: Mapping[int, Holding]) -> None:
+        """Make the users hash exactly `holdings` (a restart, or a resync after a lapse)."""
+        users = self.keys.users(self.node_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(users)
+        if holdings:
+            pipe.hset(users, mapping={str(u): encode(h) for u, h in holdings.items()})
+            pipe.pexpire(users, self.ttl_ms)
+        pipe.publish(self.keys.changes, change_message(self.node_id, None))
+        pipe.execute()
+
+    def heartbeat(self, info: Mapping[str, object]) -> bool:
+        """Refresh the node's entry and the expiry of its users. -> whether the users hash existed."""
+        node, users = self.keys.node(self.node_id), self.keys.users(self.node_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(node, mapping={**{k: str(v) for k, v in info.items()}, "heartbeat_ms": str(int(time.time() * 1000))})
+        pipe.pexpire(node, self.ttl_ms)
+        pipe.pexpire(users, self.ttl_ms)
+        pipe.sadd(self.keys.nodes, self.node_id)
+        return bool(pipe.execute()[2])
+
+    def remove(self) -> None:
+        """The node leaves: its entries go at once (a graceful shutdown)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.node(self.node_id), self.keys.users(self.node_id))
+        pipe.srem(self.keys.nodes, self.node_id)
+        pipe.publish(self.keys.changes, change_message(self.node_id, None))
+        pipe.execute()
+
+
+class LocalityIndexReader:
+    """Direct reads (asyncio), one round trip each. Redis errors propagate."""
+
+    def __init__(self, client: aioredis.Redis, namespace: str) -> None:
+        self.client = client
+        self.keys = IndexKeys(namespace)
+
+    async def lookup(self, user_id: int, node_ids: Sequence[str]) -> dict[str, Holding]:
+        """What each of `node_ids` holds of the user (nodes holding nothing are left out)."""
+        if not node_ids:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for node_id in node_ids:
+            pipe.hget(self.keys.users(node_id), str(user_id))
+        values = await pipe.execute()
+        out = {}
+        for node_id, value in zip(node_ids, values):
+            holding = decode(value)
+            if holding is not None:
+                out[node_id] = holding
+        return out
+
+    async def live_nodes(self) -> dict[str, dict[str, str]]:
+        """{node id: its heartbeat fields} of every node whose heartbeat has not expired."""
+        members = sorted(m.decode() for m in await self.client.smembers(self.keys.nodes))
+        pipe = self.client.pipeline(transaction=False)
+        for node_id in members:
+            pipe.hgetall(self.keys.node(node_id))
+        infos = await pipe.execute()
+        return {n: {k.decode(): v.decode() for k, v in info.items()} for n, info in zip(members, infos) if info}
+
+    async def node_holdings(self, node_id: str) -> dict[int, Holding]:
+        """Everything one node holds (user -> Holding)."""
+        fields = await self.client.hgetall(self.keys.users(node_id))
+        decoded = {int(u): decode(h) for u, h in fields.items() if u.isdigit()}
+        return {u: h for u, h in decoded.items() if h is not None}

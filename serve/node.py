@@ -1,0 +1,268 @@
+"""A serving node: HTTP over a `ScoringEngine`, with dynamic batching, metrics and the locality index.
+
+    python -m serve.node --data_dir DIR --checkpoint DIR --port 8001 [--redis_url redis://127.0.0.1:6379/0]
+
+    POST /score    -> 200 scores | 400 / 422 {"error": {"code", "message"}} | 503 (queue full, shutting down)
+    GET  /health   -> 200 {"status": "ok", "node_id", "model_fingerprint", "queue_depth", ...} | 503 draining
+    GET  /metrics  -> Prometheus text
+    POST /admin/reset_cache -> 200 (only with --admin): forget every user's K/V in every tier (benchmarks)
+
+With `--redis_url` the node's K/V go through to the shared Redis tier and its cache events to the
+locality index (serve/locality_index.py) under the model fingerprint. SIGTERM / SIGINT: stop
+taking requests, serve the queued ones, offload every user's device K/V to the host tiers (the
+shared one included), leave the index, exit 0. docs/serving.md has the API with examples.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from aiohttp import web
+
+from serve.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
+from serve.metrics import BATCH_SIZE_BUCKETS, CONTENT_TYPE, LATENCY_BUCKETS_S, Registry
+from serve.protocol import RequestError, ScoredVisit, ScoreQuery, parse_score_request
+
+log = logging.getLogger("serve.node")
+TIERS = ("device", "host", "shared", "none")
+
+
+class NodeMetrics:
+    def __init__(self, registry: Registry) -> None:
+        self.requests = registry.counter("hstu_node_requests_total", "Score requests answered, by HTTP status.", ("code",))
+        self.latency = registry.histogram(
+            "hstu_node_request_seconds", "Score request latency in the node (arrival to answer).", LATENCY_BUCKETS_S)
+        self.queue_wait = registry.histogram(
+            "hstu_node_queue_wait_seconds", "Time a request waited for its batch.", LATENCY_BUCKETS_S)
+        self.batch_seconds = registry.histogram("hstu_node_batch_seconds", "Run time of a batch.", LATENCY_BUCKETS_S)
+        self.batch_size = registry.histogram("hstu_node_batch_size", "Visits per batch.", BATCH_SIZE_BUCKETS)
+        self.visits = registry.counter(
+            "hstu_node_cache_visits_total", "Visits by the tier their reused K/V came from (none: nothing reused).", ("tier",))
+        self.reused = registry.counter("hstu_node_tokens_reused_total", "History tokens read from the KV cache.", ("tier",))
+        self.computed = registry.counter(
+            "hstu_node_tokens_computed_total", "Tokens run through the model (history + candidates).")
+        self.recomputed = registry.counter(
+            "hstu_node_tokens_recomputed_total", "Computed history tokens that a tier visible to this node held.")
+        self.shared_bytes = registry.counter(
+            "hstu_node_shared_reload_bytes_total", "K/V bytes reloaded from the shared (Redis) tier.")
+        for tier in TIERS:  # every series exists from the start
+            self.visits.inc(0, tier=tier)
+            self.reused.inc(0, tier=tier)
+
+    def record(self, scored: ScoredVisit, seconds: float) -> None:
+        cache = scored.cache
+        self.requests.inc(code="200")
+        self.latency.observe(seconds)
+        self.queue_wait.observe(scored.queue_ms / 1000.0)
+        self.visits.inc(tier=cache.tier)
+        self.reused.inc(cache.tokens_reused, tier=cache.tier)
+        self.computed.inc(cache.tokens_computed)
+        self.recomputed.inc(cache.tokens_recomputed)
+        self.shared_bytes.inc(cache.shared_reload_bytes)
+
+
+class Node:
+    """The HTTP layer: parse, check, queue, answer. The work is the engine's, on one compute thread."""
+
+    def __init__(self, engine, node_id: str, max_batch_size: int, max_wait_s: float, max_queue: int, admin: bool = False):
+        self.engine = engine
+        self.node_id = node_id
+        self.admin = admin
+        self.publisher = None
+        self.draining = False
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.registry = Registry()
+        self.metrics = NodeMetrics(self.registry)
+        self.batcher = DynamicBatcher(self._run_batch, key=lambda q: q.user_id, max_batch_size=max_batch_size,
+                                      max_wait_s=max_wait_s, max_queue=max_queue, executor=self.executor)
+        self.registry.gauge_callback(
+            "hstu_node_queue_depth", "Requests queued or being scored.", lambda: self.batcher.queue_depth)
+        self.registry.gauge_callback(
+            "hstu_kvcache", "The node's KV cache counters and gauges (kvcache.CacheStats).",
+            lambda: {(k,): v for k, v in engine.cache.stats().as_dict().items()}, ("stat",))
+
+    def _run_batch(self, queries: list[ScoreQuery]):
+        started = time.perf_counter()
+        results = self.engine.score_batch(queries)
+        self.metrics.batch_size.observe(len(queries))
+        self.metrics.batch_seconds.observe(time.perf_counter() - started)
+        return results
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_post("/score", self.score)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
+        if self.admin:
+            app.router.add_post("/admin/reset_cache", self.reset_cache)
+        app.on_startup.append(self._start)
+        app.on_shutdown.append(self._drain)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    # ------------------------------------------------------------------ handlers
+    async def score(self, request: web.Request) -> web.Response:
+        arrived = time.perf_counter()
+        try:
+            if self.draining:
+                raise RequestError(503, "shutting_down", f"node {self.node_id} is shutting down")
+            query = parse_score_request(await request.read(), self.engine.config.max_candidates)
+            self.engine.validate(query)
+            try:
+                done = await self.batcher.submit(query)
+            except QueueFullError as err:
+                raise RequestError(503, "overloaded", f"node {self.node_id} is overloaded: {err}") from None
+            except BatcherClosedError as err:
+                raise RequestError(503, "shutting_down", f"node {self.node_id}: {err}") from None
+        except RequestError as err:
+            self.metrics.requests.inc(code=str(err.status))
+            return web.json_response(err.to_json(), status=err.status)
+        except Exception as err:
+            log.exception("scoring failed")
+            self.metrics.requests.inc(code="500")
+            return web.json_response({"error": {"code": "internal", "message": f"{type(err).__name__}: {err}"}}, status=500)
+        result = done.result
+        scored = ScoredVisit(query, self.node_id, result.logits, result.history_length, result.cache,
+                             done.batch_size, done.queue_s * 1000.0, done.run_s * 1000.0)
+        self.metrics.record(scored, time.perf_counter() - arrived)
+        return web.json_response(scored.to_json(), dumps=_dumps)
+
+    async def health(self, request: web.Request) -> web.Response:
+        body = {
+            "status": "draining" if self.draining else "ok",
+            "node_id": self.node_id,
+            "model_fingerprint": self.engine.fingerprint,
+            "queue_depth": self.batcher.queue_depth,
+            "max_batch_size": self.batcher.max_batch_size,
+            "shared_tier": self.engine.config.redis_url is not None,
+        }
+        return web.json_response(body, status=503 if self.draining else 200)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.registry.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def reset_cache(self, request: web.Request) -> web.Response:
+        """Between benchmark runs: on the compute thread, so no batch is in flight meanwhile."""
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.reset_cache)
+        return web.json_response({"status": "ok"})
+
+    # ------------------------------------------------------------------ lifecycle
+    async def _start(self, app: web.Application) -> None:
+        self.batcher.start()
+        if self.publisher is not None:
+            self.publisher.start()
+
+    async def _drain(self, app: web.Application) -> None:
+        self.draining = True
+        await self.batcher.close(drain=True)
+
+    async def _stop(self, app: web.Application) -> None:
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.shutdown)
+        self.executor.shutdown(wait=True)
+        if self.publisher is not None:
+            self.publisher.stop(remove=True)
+        log.info("node %s stopped: device K/V offloaded, left the locality index", self.node_id)
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+async def run(node: Node, host: str, port: int) -> None:
+    """Serve until SIGTERM / SIGINT, then shut down gracefully."""
+    runner = web.AppRunner(node.app(), handle_signals=False, access_log=None, shutdown_timeout=30.0)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await web.TCPSite(runner, host, port).start()
+        log.info("node %s ready on http://%s:%d", node.node_id, host, port)
+        await stop.wait()
+        log.info("node %s shutting down", node.node_id)
+    finally:
+        await runner.cleanup()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data_dir", required=True, help="preprocessed dataset (the node's feature store)")
+    p.add_argument("--checkpoint", required=True, help="model checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--node_id", default=None, help="id in the locality index (default HOST:PORT)")
+    p.add_argument("--redis_url", default=None, help="shared KV tier and locality index (default: none, a lone node)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv_pages", type=int, default=1024, help="device pool pages")
+    p.add_argument("--page_size", type=int, default=None, help="tokens per page (default: the model's)")
+    p.add_argument("--host_capacity_mb", type=int, default=1024, help="host-memory tier capacity")
+    p.add_argument("--redis_capacity_mb", type=int, default=8192, help="shared tier capacity (for this model)")
+    p.add_argument("--sync_offload", action="store_true", help="offload on the compute thread (default: a worker)")
+    p.add_argument("--no_offload_each_visit", action="store_true",
+                   help="keep K/V on the device between visits; offload on eviction and shutdown only")
+    p.add_argument("--max_batch_size", type=int, default=8)
+    p.add_argument("--max_wait_ms", type=float, default=2.0, help="the oldest request waits at most this for a batch")
+    p.add_argument("--max_queue", type=int, default=256, help="requests queued before answering 503")
+    p.add_argument("--max_candidates", type=int, default=512)
+    p.add_argument("--torch_threads", type=int, default=1)
+    p.add_argument("--heartbeat_s", type=float, default=1.0)
+    p.add_argument("--index_ttl_s", type=float, default=3.0,
+                   help="a node's index entries expire this long after its last heartbeat")
+    p.add_argument("--admin", action="store_true", help="serve POST /admin/reset_cache (benchmarks only)")
+    p.add_argument("--log_level", default="INFO")
+    return p
+
+
+def index_publisher(args: argparse.Namespace, engine, node: Node):
+    """The node's writer of the locality index, hearing the engine's cache events from now on."""
+    import redis
+
+    from serve.index_publisher import IndexPublisher
+    from serve.locality_index import LocalityIndexWriter
+
+    client = redis.Redis.from_url(args.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    writer = LocalityIndexWriter(client, engine.fingerprint, node.node_id, int(args.index_ttl_s * 1000))
+    publisher = IndexPublisher(writer, args.heartbeat_s, lambda: {"queue_depth": node.batcher.queue_depth},
+                               advertised_url=f"http://{args.host}:{args.port}")
+    engine.locations.subscribe(publisher.listener)
+    return publisher
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger("serve").setLevel(args.log_level)
+    import torch  # after parsing: --help answers without the heavy imports
+
+    from serve.engine import EngineConfig, open_engine
+
+    torch.set_num_threads(args.torch_threads)
+    node_id = args.node_id or f"{args.host}:{args.port}"
+    config = EngineConfig(
+        data_dir=args.data_dir, checkpoint=args.checkpoint, device=args.device, kv_pages=args.kv_pages,
+        page_size=args.page_size, host_capacity_bytes=args.host_capacity_mb << 20, redis_url=args.redis_url,
+        redis_capacity_bytes=args.redis_capacity_mb << 20, async_offload=not args.sync_offload,
+        offload_each_visit=not args.no_offload_each_visit, max_candidates=args.max_candidates,
+    )
+    try:
+        engine = open_engine(config)
+    except (FileNotFoundError, ValueError) as err:
+        log.error("cannot start: %s", err)
+        return 2
+    engine.warm_up()
+    node = Node(engine, node_id, args.max_batch_size, args.max_wait_ms / 1000.0, args.max_queue, admin=args.admin)
+    if args.redis_url is not None:
+        node.publisher = index_publisher(args, engine, node)
+    asyncio.run(run(node, args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

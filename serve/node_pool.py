@@ -1,0 +1,108 @@
+"""The router's view of its nodes: which answer, what each is called in the index, what it has in flight.
+
+A node is *up* after its /health answered 200 with the model fingerprint the pool serves, and
+*down* after a probe or a forwarded request failed (connection refused or reset, timeout, a
+503 "draining"). A probe loop asks every node's /health each `interval_s`, so a node that comes
+back (restarted) is used again, and one that stopped answering between requests is taken out
+even if nobody was routed to it.
+
+All state lives on the router's event loop: no locks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+log = logging.getLogger("serve.router")
+
+
+@dataclass
+class NodeState:
+    address: str  # host:port, as given to the router
+    node_id: str  # as the node names itself (its key in the locality index); the address until it answers
+    up: bool = False
+    in_flight: int = 0
+    last_error: str = ""
+    fingerprint: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+
+def parse_addresses(text: str | Sequence[str]) -> list[str]:
+    """'h1:p1,h2:p2' (or a list) -> ['h1:p1', 'h2:p2'], checked."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for item in (i.strip().removeprefix("http://").rstrip("/") for i in items):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"node address {item!r} is not HOST:PORT")
+        out.append(item)
+    if len(set(out)) != len(out) or not out:
+        raise ValueError(f"node addresses must be distinct and at least one: {out}")
+    return out
+
+
+class NodePool:
+    def __init__(self, addresses: Sequence[str], probe_timeout_s: float = 2.0) -> None:
+        self.nodes = [NodeState(a, a) for a in addresses]
+        self.probe_timeout_s = probe_timeout_s
+        self.fingerprint = ""  # the model every node must serve (the first answer sets it)
+
+    def live(self) -> list[NodeState]:
+        return [n for n in self.nodes if n.up]
+
+    def by_id(self, node_id: str) -> NodeState:
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+    def mark_down(self, node: NodeState, reason: str) -> None:
+        if node.up:
+            log.warning("node %s (%s) taken out: %s", node.node_id, node.address, reason)
+        node.up = False
+        node.last_error = reason
+
+    def _mark_up(self, node: NodeState, health: dict) -> None:
+        fingerprint = str(health.get("model_fingerprint", ""))
+        if self.fingerprint and fingerprint != self.fingerprint:
+            self.mark_down(node, f"serves model {fingerprint[:12]}, the pool serves {self.fingerprint[:12]}")
+            return
+        self.fingerprint = self.fingerprint or fingerprint
+        node.fingerprint = fingerprint
+        node.node_id = str(health.get("node_id") or node.address)
+        if not node.up:
+            log.info("node %s (%s) is up", node.node_id, node.address)
+        node.up = True
+        node.last_error = ""
+
+    async def probe(self, session: aiohttp.ClientSession, node: NodeState) -> bool:
+        """Ask the node's /health; mark it up or down accordingly."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
+            async with session.get(f"{node.url}/health", timeout=timeout) as resp:
+                health = await resp.json(content_type=None)
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
+            self.mark_down(node, f"health probe failed: {type(err).__name__}: {err}")
+            return False
+        if status != 200 or not isinstance(health, dict):
+            self.mark_down(node, f"health probe answered {status}: {health}")
+            return False
+        self._mark_up(node, health)
+        return node.up
+
+    async def probe_all(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.gather(*(self.probe(session, n) for n in self.nodes))
+
+    async def probe_forever(self, session: aiohttp.ClientSession, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.probe_all(session)
+
+    def describe(self) -> list[dict]:
+        return [{"address": n.address, "node_id": n.node_id, "up": n.up, "in_flight": n.in_flight,
+                 "last_error": n.last_error} for n in self.nodes]

@@ -1,0 +1,147 @@
+"""The HTTP API's values: a score request parsed and checked, the answer, and the errors.
+
+A request (POST /score, JSON):
+
+    {"user_id": 42, "request_time_ms": 1650000000000, "candidate_video_ids": [17, 5, 99],
+     "request_id": "optional, echoed back"}
+
+Everything that can be checked without the dataset is checked here, by the router and the node
+alike, so that a malformed request never reaches a node's cache. A refusal is a `RequestError`:
+an HTTP status, a stable machine-readable code and a message naming the field and the value.
+The dataset-dependent checks (unknown user, no history before the request time) are the node's
+(serve/engine.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from data.schema import TASKS
+
+MAX_ID = 2**63 - 1  # ids and times are int64 on the node
+FIELDS = ("user_id", "request_time_ms", "candidate_video_ids", "request_id")
+REQUIRED = ("user_id", "request_time_ms", "candidate_video_ids")
+MAX_REQUEST_ID_CHARS = 200
+
+
+class RequestError(Exception):
+    """A request refused before it reached the cache: `status` 4xx (or 503), `code`, `message`."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+    def to_json(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
+def bad_request(code: str, message: str) -> RequestError:
+    return RequestError(400, code, message)
+
+
+def unprocessable(code: str, message: str) -> RequestError:
+    return RequestError(422, code, message)
+
+
+@dataclass(frozen=True)
+class ScoreQuery:
+    """One checked score request."""
+
+    user_id: int
+    request_time_ms: int
+    candidate_video_ids: tuple[int, ...]
+    request_id: str | None = None
+
+
+def parse_score_request(body: bytes, max_candidates: int | None = None) -> ScoreQuery:
+    """The request in `body`, or a `RequestError` (400: malformed; 422: too many candidates)."""
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise bad_request("malformed_json", f"the request body is not valid JSON: {err}") from None
+    if not isinstance(doc, dict):
+        raise bad_request("malformed_request", f"the request body must be a JSON object, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - set(FIELDS))
+    if unknown:
+        raise bad_request("unknown_field", f"unknown field(s) {unknown}; a request has {list(FIELDS)}")
+    missing = [f for f in REQUIRED if f not in doc]
+    if missing:
+        raise bad_request("missing_field", f"missing field(s) {missing}")
+    user_id = _non_negative_int(doc["user_id"], "user_id")
+    request_time_ms = _non_negative_int(doc["request_time_ms"], "request_time_ms")
+    candidates = doc["candidate_video_ids"]
+    if not isinstance(candidates, list):
+        raise bad_request("invalid_field", f"candidate_video_ids must be a list of video ids, got {_show(candidates)}")
+    if not candidates:
+        raise bad_request("invalid_field", f"user {user_id}: candidate_video_ids is empty")
+    if max_candidates is not None and len(candidates) > max_candidates:
+        raise unprocessable(
+            "too_many_candidates",
+            f"user {user_id}: {len(candidates)} candidate_video_ids, at most {max_candidates} per request",
+        )
+    if not (all(type(v) is int for v in candidates) and min(candidates) >= 0 and max(candidates) <= MAX_ID):
+        for i, video in enumerate(candidates):  # name the first bad one (bool is not an id: type(True) is bool)
+            _non_negative_int(video, f"candidate_video_ids[{i}]")
+    request_id = doc.get("request_id")
+    if request_id is not None and (not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID_CHARS):
+        raise bad_request("invalid_field", f"request_id must be a string of at most {MAX_REQUEST_ID_CHARS} characters")
+    return ScoreQuery(user_id, request_time_ms, tuple(candidates), request_id)
+
+
+def _non_negative_int(value: object, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ID:
+        raise bad_request("invalid_field", f"{field} must be an integer in [0, 2**63), got {_show(value)}")
+    return value
+
+
+def _show(value: object) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclass(frozen=True)
+class VisitCache:
+    """Where a visit's reused K/V came from and what it cost (tokens: cache positions)."""
+
+    tier: str  # "device" | "host" (this node's) | "shared" (Redis, reloaded) | "none" (computed)
+    tokens_reused: int  # history tokens read from the cache
+    tokens_computed: int  # history tokens (prefix included) and candidates run through the model
+    tokens_recomputed: int  # of the computed history tokens, those a tier visible to this node held
+    shared_reload_bytes: int  # K/V bytes reloaded from the shared tier
+
+
+@dataclass(frozen=True)
+class ScoredVisit:
+    """A node's answer to one `ScoreQuery`."""
+
+    query: ScoreQuery
+    node_id: str
+    logits: list[list[float]]  # [candidates][tasks]
+    history_length: int  # events before request_time_ms
+    cache: VisitCache
+    batch_size: int
+    queue_ms: float
+    compute_ms: float
+
+    def to_json(self) -> dict:
+        return {
+            "user_id": self.query.user_id,
+            "request_id": self.query.request_id,
+            "node": self.node_id,
+            "tasks": list(TASKS),
+            "logits": self.logits,
+            "history_length": self.history_length,
+            "cache": {
+                "tier": self.cache.tier,
+                "tokens_reused": self.cache.tokens_reused,
+                "tokens_computed": self.cache.tokens_computed,
+                "tokens_recomputed": self.cache.tokens_recomputed,
+                "shared_reload_bytes": self.cache.shared_reload_bytes,
+            },
+            "batch_size": self.batch_size,
+            "queue_ms": round(self.queue_ms, 3),
+            "compute_ms": round(self.compute_ms, 3),
+        }

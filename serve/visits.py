@@ -1,0 +1,35 @@
+"""The dataset's visits as score requests: the stream a benchmark replays and the tests send.
+
+A visit (a row of the dataset's request table) becomes the request a client would send: the user,
+the visit's time and the videos shown (the visit's candidates). The node then reads the user's
+events before that time, exactly the history `InferenceSession.serve` gives the same visit.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from data.dataset import InferenceDataset
+from serve.protocol import ScoreQuery
+
+
+def visit_queries(dataset: InferenceDataset, indices: np.ndarray) -> list[ScoreQuery]:
+    """One query per request index, in the given order; request_id = the index."""
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    req, events = dataset.requests, dataset.event_arrays()
+    first = events.offsets[dataset.user_rows(req.user_id[idx])] + req.end[idx]  # [n] first candidate event
+    out = []
+    for i, start, count in zip(idx.tolist(), first.tolist(), req.num_candidates[idx].tolist()):
+        videos = tuple(int(v) for v in events.video_ids[start:start + count])
+        out.append(ScoreQuery(int(req.user_id[i]), int(req.time_ms[i]), videos, request_id=str(i)))
+    return out
+
+
+def query_body(query: ScoreQuery) -> bytes:
+    """The JSON body of POST /score for `query`."""
+    doc = {"user_id": query.user_id, "request_time_ms": query.request_time_ms,
+           "candidate_video_ids": list(query.candidate_video_ids)}
+    if query.request_id is not None:
+        doc["request_id"] = query.request_id
+    return json.dumps(doc, separators=(",", ":")).encode()

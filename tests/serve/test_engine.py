@@ -1,0 +1,123 @@
+"""A node's scoring engine without HTTP: parity with InferenceSession, the tier of each visit, refusals, shutdown."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from data.dataset import InferenceDataset
+from helpers import assert_logits_close, make_cache
+from model.checkpoint import load_checkpoint
+from model.inference import InferenceSession
+from serve.engine import EngineConfig, open_engine
+from serve.protocol import RequestError, ScoreQuery
+from serve.visits import visit_queries
+
+
+def engine_for(artifacts, **overrides):
+    processed, checkpoint = artifacts
+    return open_engine(EngineConfig(str(processed), str(checkpoint), async_offload=False, **overrides))
+
+
+def offline_logits(artifacts, indices, batch_size=4) -> list[torch.Tensor]:
+    """What the offline replay gives each visit (one tensor per request, in order)."""
+    processed, checkpoint = artifacts
+    dataset = InferenceDataset(processed)
+    model = load_checkpoint(checkpoint).model
+    session = InferenceSession(model, dataset, kv_cache=make_cache(model.config, num_pages=512))
+    out = {}
+    for batch in dataset.batches(indices, batch_size):
+        result = session.serve(batch)
+        offsets = np.concatenate([[0], np.cumsum(result.candidate_lengths)])
+        for b, request in enumerate(result.request_ids.tolist()):
+            out[request] = result.logits[offsets[b]:offsets[b + 1]]
+    return [out[i] for i in np.asarray(indices).tolist()]
+
+
+def test_engine_scores_equal_the_offline_replay_and_report_reuse(serving_artifacts):
+    engine = engine_for(serving_artifacts)
+    try:
+        indices = engine.dataset.request_indices(max_requests=60)
+        expected = offline_logits(serving_artifacts, indices)
+        queries = visit_queries(engine.dataset, indices)
+        results = []
+        for batch in engine.dataset.batches(indices, 5):
+            results += engine.score_batch([queries[int(np.flatnonzero(indices == i)[0])] for i in batch])
+        for got, want in zip(results, expected):
+            assert_logits_close(torch.tensor(got.logits), want)
+        tiers = [r.cache.tier for r in results]
+        assert tiers.count("device") > 0 and set(tiers) <= {"device", "none"}  # a lone node: device or nothing
+        assert all(r.cache.tokens_reused > 0 for r in results if r.cache.tier == "device")
+        assert all(r.cache.tokens_reused == 0 for r in results if r.cache.tier == "none")
+        assert sum(r.cache.tokens_reused for r in results) == engine.cache.stats().tokens_reused
+    finally:
+        engine.shutdown()
+
+
+def returning_user(dataset, visits=4) -> np.ndarray:
+    """The first `visits` requests of a user whose history at the last of them still fits one window."""
+    req = dataset.requests
+    for user in np.unique(req.user_id).tolist():
+        rows = np.flatnonzero(req.user_id == user)[:visits]
+        if len(rows) == visits and req.end[rows[-1]] < 200:
+            return rows
+    raise AssertionError("no user with enough short visits")
+
+
+def test_tiers_across_two_nodes_sharing_redis(serving_artifacts, private_redis_server):
+    a = engine_for(serving_artifacts, redis_url=private_redis_server.url)
+    b = engine_for(serving_artifacts, redis_url=private_redis_server.url)
+    try:
+        first, second, third, fourth = visit_queries(a.dataset, returning_user(a.dataset))
+        expected = offline_logits(serving_artifacts, returning_user(a.dataset), batch_size=1)
+        got = [a.score_batch([first])[0]]
+        assert got[0].cache.tier == "none"
+        got.append(b.score_batch([second])[0])  # another node: reloads what `a` wrote through to Redis
+        assert got[1].cache.tier == "shared" and got[1].cache.shared_reload_bytes > 0
+        got.append(a.score_batch([third])[0])  # back on `a`: its device copy is one visit behind Redis
+        assert got[2].cache.tier == "device"
+        # ... so it recomputes what `b` computed (the history part of b's tokens).
+        assert got[2].cache.tokens_recomputed == got[1].cache.tokens_computed - len(second.candidate_video_ids) > 0
+        a.cache.evict_kv_cache()  # device -> host memory
+        got.append(a.score_batch([fourth])[0])
+        assert got[3].cache.tier == "host" and got[3].cache.shared_reload_bytes == 0
+        for result, want in zip(got, expected):
+            assert_logits_close(torch.tensor(result.logits), want)
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+@pytest.mark.parametrize("change, code, message", [
+    (lambda q: ScoreQuery(10**9, q.request_time_ms, q.candidate_video_ids), "unknown_user", "user 1000000000 has no events"),
+    (lambda q: ScoreQuery(q.user_id, 0, q.candidate_video_ids), "no_history", "no events before request_time_ms=0"),
+    (lambda q: ScoreQuery(q.user_id, q.request_time_ms, tuple(range(9))), "too_many_candidates", "at most 8"),
+])
+def test_bad_queries_are_refused_before_the_cache(serving_artifacts, change, code, message):
+    engine = engine_for(serving_artifacts, max_candidates=8)
+    try:
+        good = visit_queries(engine.dataset, engine.dataset.request_indices(max_requests=1))[0]
+        engine.validate(good)
+        before = engine.cache.stats()
+        with pytest.raises(RequestError) as caught:
+            engine.validate(change(good))
+        assert (caught.value.status, caught.value.code) == (422, code) and message in caught.value.message
+        assert engine.cache.stats() == before
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_offloads_device_kv_to_the_shared_tier(serving_artifacts, private_redis_server):
+    dataset = InferenceDataset(serving_artifacts[0])
+    first, second = visit_queries(dataset, returning_user(dataset, 2))
+    leaving = engine_for(serving_artifacts, redis_url=private_redis_server.url, offload_each_visit=False)
+    served = leaving.score_batch([first])[0]
+    staying = engine_for(serving_artifacts, redis_url=private_redis_server.url)
+    try:
+        assert staying.cache.get_user_kvdata_info([first.user_id])[1].item() == 0  # nothing offloaded yet
+        leaving.shutdown()
+        result = staying.score_batch([second])[0]
+        assert result.cache.tier == "shared"
+        assert result.cache.tokens_reused == served.cache.tokens_computed - len(first.candidate_video_ids)
+    finally:
+        staying.shutdown()
