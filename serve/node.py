@@ -235,8 +235,24 @@ def index_publisher(args: argparse.Namespace, engine, node: Node):
     return publisher
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse impossible settings before the slow start (argparse-style: exit 2 with one message)."""
+    positive = ("max_batch_size", "max_queue", "max_candidates", "torch_threads", "kv_pages", "host_capacity_mb")
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in [1, 65535], got {args.port}")
+    if args.max_wait_ms < 0:
+        parser.error(f"--max_wait_ms must be >= 0, got {args.max_wait_ms}")
+    if not 0 < args.heartbeat_s < args.index_ttl_s:
+        parser.error(f"need 0 < --heartbeat_s < --index_ttl_s, got {args.heartbeat_s} and {args.index_ttl_s}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("serve").setLevel(args.log_level)
     import torch  # after parsing: --help answers without the heavy imports
