@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from serve.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
+from serve.http_app import serve_until_signal
 from serve.metrics import BATCH_SIZE_BUCKETS, CONTENT_TYPE, LATENCY_BUCKETS_S, Registry
 from serve.protocol import RequestError, ScoredVisit, ScoreQuery, parse_score_request
 
@@ -176,19 +176,11 @@ def _dumps(obj: object) -> str:
 
 async def run(node: Node, host: str, port: int) -> None:
     """Serve until SIGTERM / SIGINT, then shut down gracefully."""
-    runner = web.AppRunner(node.app(), handle_signals=False, access_log=None, shutdown_timeout=30.0)
-    await runner.setup()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await web.TCPSite(runner, host, port).start()
-        log.info("node %s ready on http://%s:%d", node.node_id, host, port)
-        await stop.wait()
-        log.info("node %s shutting down", node.node_id)
-    finally:
-        await runner.cleanup()
+    await serve_until_signal(
+        node.app(), host, port, shutdown_timeout=30.0,
+        on_ready=lambda: log.info("node %s ready on http://%s:%d", node.node_id, host, port),
+        on_stop=lambda: log.info("node %s shutting down", node.node_id),
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

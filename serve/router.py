@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
 import sys
 import time
 
@@ -33,6 +32,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from serve.forwarder import ForwardError, NodeConnections
+from serve.http_app import serve_until_signal
 from serve.index_mirror import IndexMirror
 from serve.locality_index import Holding, LocalityIndexReader
 from serve.metrics import CONTENT_TYPE, FINE_LATENCY_BUCKETS_S, LATENCY_BUCKETS_S, Registry
@@ -233,18 +233,11 @@ def _error_code(payload: bytes) -> str:
 
 
 async def run(router: Router, host: str, port: int) -> None:
-    runner = web.AppRunner(router.app(), handle_signals=False, access_log=None, shutdown_timeout=10.0)
-    await runner.setup()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await web.TCPSite(runner, host, port).start()
-        log.info("router (%s) ready on http://%s:%d over %d nodes", router.policy.name, host, port, len(router.pool.nodes))
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_until_signal(
+        router.app(), host, port, shutdown_timeout=10.0,
+        on_ready=lambda: log.info("router (%s) ready on http://%s:%d over %d nodes",
+                                  router.policy.name, host, port, len(router.pool.nodes)),
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
