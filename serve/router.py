@@ -29,10 +29,10 @@ import time
 
 import aiohttp
 import redis.asyncio as aioredis
-from aiohttp import web
 
 from serve.forwarder import ForwardError, NodeConnections
-from serve.http_app import serve_until_signal
+from serve.http_app import run_until_signal
+from serve.http_server import HttpServer, Request, Response, Routes
 from serve.index_mirror import IndexMirror
 from serve.locality_index import Holding, LocalityIndexReader
 from serve.metrics import CONTENT_TYPE, FINE_LATENCY_BUCKETS_S, LATENCY_BUCKETS_S, Registry
@@ -82,20 +82,18 @@ class Router:
         self._mirror: IndexMirror | None = None
         self._tasks: list[asyncio.Task] = []
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 20)
-        app.router.add_post("/score", self.score)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_text)
-        app.router.add_get("/route/{user_id}", self.route)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
-        return app
+    def routes(self) -> Routes:
+        routes = Routes()
+        routes.add("POST", "/score", self.score)
+        routes.add("GET", "/health", self.health)
+        routes.add("GET", "/metrics", self.metrics_text)
+        routes.add_prefix("GET", "/route/", self.route)
+        return routes
 
     # ------------------------------------------------------------------ handlers
-    async def score(self, request: web.Request) -> web.Response:
+    async def score(self, request: Request) -> Response:
         arrived = time.perf_counter()
-        body = await request.read()
+        body = request.body
         try:
             query = parse_score_request(body)
         except RequestError as err:
@@ -130,33 +128,32 @@ class Router:
             self.metrics.routed.inc(node=node.address)
             self.metrics.latency.observe(total)
             self.metrics.overhead.observe(max(0.0, total - upstream))
-            return web.Response(body=payload, status=status, content_type="application/json",
-                                headers={"X-Routed-To": node.node_id})
+            return Response(status, payload, headers=(("X-Routed-To", node.node_id),))
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Response:
         up = bool(self.pool.live())
         body = {"status": "ok" if up else "unavailable", "policy": self.policy.name,
                 "model_fingerprint": self.pool.fingerprint, "nodes": self.pool.describe()}
-        return web.json_response(body, status=200 if up else 503)
+        return Response.json(body, status=200 if up else 503)
 
-    async def metrics_text(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.registry.render(), headers={"Content-Type": CONTENT_TYPE})
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(200, self.registry.render().encode(), content_type=CONTENT_TYPE)
 
-    async def route(self, request: web.Request) -> web.Response:
-        text = request.match_info["user_id"]
+    async def route(self, request: Request) -> Response:
+        text = request.path_tail
         if not text.isdigit():
-            return web.json_response(RequestError(400, "invalid_field", f"user_id must be an integer, got {text!r}")
-                                     .to_json(), status=400)
+            return self._answer_error(RequestError(400, "invalid_field", f"user_id must be an integer, got {text!r}"),
+                                      count=False)
         live = self.pool.live()
         if not live:
-            return web.json_response({"node": None, "nodes": {}}, status=503)
+            return Response.json({"node": None, "nodes": {}}, status=503)
         user_id = int(text)
         holdings = await self._lookup(user_id, live) if self.policy.uses_index else {}
         chosen = self.policy.choose(user_id, [NodeView(n.node_id, n.in_flight, holdings.get(n.node_id)) for n in live])
         nodes = {n.node_id: {"in_flight": n.in_flight, "holding": holdings[n.node_id]._asdict()
                              if n.node_id in holdings else None} for n in live}
-        return web.json_response({"policy": self.policy.name, "node": chosen, "nodes": nodes,
-                                  "index_mirror_synced": self._mirror is not None and self._mirror.synced})
+        return Response.json({"policy": self.policy.name, "node": chosen, "nodes": nodes,
+                              "index_mirror_synced": self._mirror is not None and self._mirror.synced})
 
     # ------------------------------------------------------------------ routing
     async def _choose(self, user_id: int, live: list[NodeState]) -> NodeState:
@@ -192,12 +189,14 @@ class Router:
         self._mirror = IndexMirror(self._redis, namespace, check_interval_s=self.probe_interval_s)
         self._tasks.append(asyncio.get_running_loop().create_task(self._mirror.run(), name="index-mirror"))
 
-    def _answer_error(self, err: RequestError) -> web.Response:
-        self.metrics.requests.inc(code=str(err.status))
-        return web.json_response(err.to_json(), status=err.status)
+    def _answer_error(self, err: RequestError, count: bool = True) -> Response:
+        if count:
+            self.metrics.requests.inc(code=str(err.status))
+        return Response.json(err.to_json(), status=err.status)
 
     # ------------------------------------------------------------------ lifecycle
-    async def _start(self, app: web.Application) -> None:
+    async def start(self) -> None:
+        """Open the probe session and Redis, learn which nodes are up, start the background tasks."""
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0)
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         if self.redis_url is not None:
@@ -208,12 +207,14 @@ class Router:
         if self.policy.uses_index and self.pool.fingerprint:
             self._open_index(self.pool.fingerprint)
 
-    async def _stop(self, app: web.Application) -> None:
+    async def stop(self) -> None:
+        """Undo `start` (also a partial one)."""
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self._session.close()
+        if self._session is not None:
+            await self._session.close()
         for connections in self._connections.values():
             connections.close()
         if self._redis is not None:
@@ -232,12 +233,19 @@ def _error_code(payload: bytes) -> str:
         return ""
 
 
-async def run(router: Router, host: str, port: int) -> None:
-    await serve_until_signal(
-        router.app(), host, port, shutdown_timeout=10.0,
-        on_ready=lambda: log.info("router (%s) ready on http://%s:%d over %d nodes",
-                                  router.policy.name, host, port, len(router.pool.nodes)),
-    )
+async def run(router: Router, host: str, port: int, shutdown_timeout_s: float = 10.0) -> None:
+    server = HttpServer(router.routes(), max_body_bytes=1 << 20)
+
+    async def start() -> None:
+        await router.start()
+        await server.start(host, port)
+
+    async def stop() -> None:
+        await server.stop(shutdown_timeout_s)
+        await router.stop()
+
+    await run_until_signal(start, stop, on_ready=lambda: log.info(
+        "router (%s) ready on http://%s:%d over %d nodes", router.policy.name, host, port, len(router.pool.nodes)))
 
 
 def build_parser() -> argparse.ArgumentParser:
