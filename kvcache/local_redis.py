@@ -37,7 +37,7 @@ class LocalRedisServer:
     """
 
     def __init__(self, workdir: Path | str, binary: str | None = None, start_timeout_s: float = 10.0) -> None:
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()  # redis-server resolves --logfile after chdir to --dir
         self.binary = binary or redis_server_binary() or REDIS_SERVER
         self.start_timeout_s = start_timeout_s
         self.port = 0

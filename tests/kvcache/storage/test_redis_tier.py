@@ -555,3 +555,14 @@ def test_the_tier_drops_a_wrong_type_meta_key_on_every_path(redis_server):
     assert s.drop(5) and client.type(f"{s.prefix}:u:5:meta") == b"none"
     assert s.write(6, 0, 4, 0, _fill(_random_pages(1))).stored
     assert s.bytes_used == PAGE and s.num_users == 1
+
+
+def test_local_server_starts_from_a_relative_workdir(tmp_path, monkeypatch):
+    from kvcache.local_redis import LocalRedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    monkeypatch.chdir(tmp_path)
+    with LocalRedisServer("relative/redis") as server:
+        assert redis.Redis.from_url(server.url).ping()
+    assert (tmp_path / "relative" / "redis" / "redis.log").exists()
