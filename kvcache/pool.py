@@ -1,9 +1,11 @@
 """The device page pool: preallocated K/V pages for every layer, a free list, and page moves.
 
 All layers live in one tensor `[num_layers, 2 (K, V), num_pages + 1, page_size, heads, head_dim]`:
-`k_cache(l)` is a contiguous view (what paged kernels want), and a user's pages over all
-layers move to or from the host tier in one `index_select` / `index_copy_`. The pool knows
-nothing about users: the manager owns the page lists, the pool only hands pages out and back.
+`k_cache(l)` is a contiguous view (what paged kernels want). On CPU a user's pages over all
+layers move to or from the host tier in one `index_select` / `index_copy_`; on CUDA an onload
+moves them layer by layer on its own stream, so that compute waits for each layer only
+(`OnloadEvents`). The pool knows nothing about users: the manager owns the page lists, the
+pool only hands pages out and back.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .config import PageLayout
+from .onload_events import OnloadEvents
 from .paged_kvcache_ops import as_words
 
 Pages = array | Sequence[int]  # page ids; the pool hands out array("q")
@@ -44,8 +47,7 @@ class DevicePagePool:
         self._onload_stream = torch.cuda.Stream(device) if self._cuda else None
         self._offload_stream = torch.cuda.Stream(device) if self._cuda else None
         self._written: torch.cuda.Event | None = None
-        self._onloaded: torch.cuda.Event | None = None  # the last onload: host memory it reads is busy
-        self._compute_waits_for: torch.cuda.Event | None = None  # an onload compute has not waited for yet
+        self._onload_events = OnloadEvents(layout.num_layers, device)
 
     # --- views ---
     @property
@@ -90,7 +92,7 @@ class DevicePagePool:
     def free_pages(self) -> list[int]:
         return list(self._free)
 
-    # --- page moves (one batched copy per call, all layers) ---
+    # --- page moves ---
     def mark_written(self) -> None:
         """Record that the pool writes issued so far on the current stream are ones later copies must see.
 
@@ -102,69 +104,81 @@ class DevicePagePool:
             self._written.record(torch.cuda.current_stream(self.device))
 
     def copy_out(self, pages: Pages, dst: Tensor) -> None:
-        """Copy `pages` into `dst` ([len(pages), *page_shape], any device); returns when dst holds them.
+        """Copy `pages` into `dst` ([len(pages), *page_shape], any device and strides); returns when dst holds them.
 
-        On CUDA the gather and the device-to-host copy run on a side stream (into pinned memory
-        when dst is), after the last `mark_written`, and this call waits for them: freeing the
-        pages afterwards is safe.
+        On CUDA one gather (layer-major) and the device-to-host copies (one per layer when each
+        layer of dst is contiguous, as in the in-memory tier) run on a side stream, after the last
+        `mark_written` and the last onload, and this call waits for them: freeing the pages
+        afterwards is safe.
         """
-        src = self._pool_rows()
         if not self._cuda:
             idx = self._index(pages)
             if dst.device == self.device:
-                _index_select_into(src, idx, self._as_rows(dst).transpose(0, 1))
+                _index_select_into(self._layer_rows(), idx, _pool_order(dst))
             else:  # another accelerator: gather there, then a blocking copy
-                dst.copy_(self._gather(src, idx).view(dst.shape))
+                dst.copy_(self._gather(idx).transpose(0, 1).reshape(dst.shape))
             return
         stream = self._offload_stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            for event in (self._written, self._onloaded):
+            for event in (self._written, self._onload_events.last):
                 if event is not None:
                     stream.wait_event(event)
-            staged = self._gather(src, self._index(pages))
-            dst.copy_(staged.view(dst.shape), non_blocking=True)
+            staged = self._gather(self._index(pages))  # [L, k, 2, S*H*D]
+            if _layers_contiguous(dst):
+                for layer in range(self.layout.num_layers):
+                    dst[:, layer].copy_(staged[layer].view(dst[:, layer].shape), non_blocking=True)
+            else:
+                dst.copy_(staged.transpose(0, 1).reshape(dst.shape), non_blocking=True)
         stream.synchronize()
 
-    def copy_in(self, pages: Pages, src: Tensor) -> None:
-        """Write `src` ([len(pages), *page_shape], any device) into `pages`.
+    def copy_in(self, moves: Sequence[tuple[Pages, Tensor]]) -> None:
+        """Write each `src` ([len(pages), *page_shape], any device and strides) into its `pages`.
 
-        On CUDA the copy runs on the onload stream, after the work already queued on the current
-        stream (the pages may have been freed by a batch still computing there), and returns at
-        once: from pinned host memory it is an asynchronous DMA. Compute waits for it on the
-        device at its first read of the pool (`wait_for_onloads`); the host memory it reads must
-        stay unchanged until `sync_onloads` (the manager calls it before any tier write).
+        On CUDA the copies run on the onload stream, after the work already queued on the current
+        stream (the pages may have been freed by a batch still computing there), layer by layer:
+        layer l of every move goes into a staging buffer (one transfer per move: an asynchronous
+        DMA from pinned host memory whose layers are contiguous, as the in-memory tier's; other
+        sources are copied whole first), is scattered into the pages, and an event is recorded.
+        Returns at once. Compute waits for layer l on the device when it asks for layer l's pages
+        (`wait_for_layer`); the host memory read must stay unchanged until `sync_onloads` (the
+        manager calls it before any tier write).
         """
         if not self._cuda:
-            self._scatter(self._index(pages), src.to(self.device))
+            rows = self._layer_rows()
+            for pages, src in moves:
+                _index_copy_into(rows, self._index(pages), _pool_order(src.to(self.device)))
             return
         stream = self._onload_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        lay = self.layout
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            self._scatter(self._index(pages), src.to(self.device, non_blocking=True))
-            self._onloaded = torch.cuda.Event()
-            self._onloaded.record(stream)
-        self._compute_waits_for = self._onloaded
+            idx = self._index(np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in moves]))
+            sources = [src if _layers_contiguous(src) else src.to(self.device, non_blocking=True) for _, src in moves]
+            # One layer of every move at a time, reused by every layer (stream order keeps it safe).
+            staging = torch.empty(
+                (idx.numel(), 2, lay.page_size, lay.num_heads, lay.head_dim), dtype=lay.dtype, device=self.device
+            )
+            rows = self._layer_rows()
+            for layer in range(lay.num_layers):
+                start = 0
+                for src in sources:
+                    staging[start : start + src.shape[0]].copy_(src[:, layer], non_blocking=True)
+                    start += src.shape[0]
+                rows[layer].index_copy_(1, idx, staging.flatten(2).transpose(0, 1))  # [2, k, S*H*D]
+                self._onload_events.record(layer, stream)
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Make the current stream wait (on the device, the host does not block) for layer `layer` of the
+        onloads issued so far, and for nothing else. Not while capturing a CUDA graph."""
+        self._onload_events.wait_for_layer(layer)
 
     def wait_for_onloads(self) -> None:
-        """Make the current stream wait (on the device, the host does not block) for the onloads issued
-        so far. Not while capturing a CUDA graph: the caller waited before the capture or replay."""
-        event = self._compute_waits_for
-        if event is not None and not torch.cuda.is_current_stream_capturing():
-            torch.cuda.current_stream(self.device).wait_event(event)
-            self._compute_waits_for = None
+        """Make the current stream wait for every layer of the onloads issued so far (a graph replay)."""
+        self._onload_events.wait_for_all()
 
     def sync_onloads(self) -> None:
         """Block until the onloads issued so far have read their host memory (before it is rewritten)."""
-        if self._onloaded is not None:
-            self._onloaded.synchronize()
-            self._onloaded = None
-
-    def _scatter(self, idx: Tensor, src: Tensor) -> None:
-        """pool pages `idx` <- `src` [k, *page_shape] on the pool's device, all layers in one pass."""
-        src = self._as_rows(src).transpose(0, 1)
-        dst = self._pool_rows()
-        words = as_words(dst, src) if self.device.type == "cpu" else None
-        (words[0] if words else dst).index_copy_(1, idx, words[1] if words else src)
+        self._onload_events.synchronize()
 
     @property
     def _page_numel(self) -> int:
@@ -172,26 +186,58 @@ class DevicePagePool:
         return lay.page_size * lay.num_heads * lay.head_dim
 
     def _index(self, pages: Pages) -> Tensor:
-        return torch.from_numpy(np.asarray(pages, dtype=np.int64)).to(self.device)
+        # Asynchronous on CUDA (the ids are staged when the copy is issued): a blocking copy would make
+        # the host wait for every copy queued on the stream before it.
+        return torch.from_numpy(np.asarray(pages, dtype=np.int64)).to(self.device, non_blocking=True)
 
-    def _pool_rows(self) -> Tensor:
-        """The pool as [L*2, num_pages + 1, S*H*D]."""
-        return self.kv.view(-1, self.num_pages + 1, self._page_numel)
+    def _layer_rows(self) -> Tensor:
+        """The pool as [L, 2, num_pages + 1, S*H*D]: a page of one layer's K (or V) is one row."""
+        lay = self.layout
+        return self.kv.view(lay.num_layers, 2, self.num_pages + 1, self._page_numel)
 
-    def _as_rows(self, pages: Tensor) -> Tensor:
-        """[k, L, 2, S, H, D] -> [k, L*2, S*H*D] view."""
-        return pages.view(pages.shape[0], -1, self._page_numel)
-
-    def _gather(self, src: Tensor, idx: Tensor) -> Tensor:
-        out = torch.empty((idx.numel(), src.shape[0], src.shape[2]), dtype=src.dtype, device=src.device)
-        _index_select_into(src, idx, out.transpose(0, 1))
+    def _gather(self, idx: Tensor) -> Tensor:
+        """Pages `idx` of every layer, [L, k, 2, S*H*D] on the pool's device: a layer's pages are one block."""
+        rows = self._layer_rows()
+        num_layers, _, _, row = rows.shape
+        out = torch.empty((num_layers, idx.numel(), 2, row), dtype=rows.dtype, device=rows.device)
+        _index_select_into(rows, idx, out.transpose(1, 2))
         return out
 
 
-def _index_select_into(src: Tensor, idx: Tensor, out: Tensor) -> None:
-    """out = src[:, idx] in one pass (as 16-byte words on CPU)."""
-    words = as_words(src, out) if src.device.type == "cpu" else None
+def _pool_order(pages: Tensor) -> Tensor:
+    """[k, L, 2, S, H, D] pages (any strides, with each page row S, H, D dense) -> a [L, 2, k, S*H*D] view.
+
+    One `as_strided` rather than a flatten and a permute: offloads and onloads run per user on the
+    serving path, which counts its ops.
+    """
+    k, num_layers, _, page_size, heads, head_dim = pages.shape
+    stride = pages.stride()
+    dense = (heads * head_dim, head_dim, 1)
+    if any(size > 1 and got != want for size, got, want in zip(pages.shape[3:], stride[3:], dense)):
+        raise ValueError(f"pages need dense page rows (page_size, heads, head_dim), got strides {stride}")
+    return pages.as_strided(
+        (num_layers, 2, k, page_size * heads * head_dim), (stride[1], stride[2], stride[0], 1), pages.storage_offset()
+    )
+
+
+def _layers_contiguous(pages: Tensor) -> bool:
+    """Is each layer of these [k, L, 2, S, H, D] pages one contiguous block (one copy per layer)?"""
+    return pages[:, 0].is_contiguous()
+
+
+def _index_select_into(rows: Tensor, idx: Tensor, out: Tensor) -> None:
+    """out = rows[:, :, idx] in one pass (as 16-byte words on CPU); rows, out: [L, 2, *, S*H*D]."""
+    words = as_words(rows, out) if rows.device.type == "cpu" else None
     if words is None:
-        torch.index_select(src, 1, idx, out=out)
+        torch.index_select(rows, 2, idx, out=out)
     else:
-        torch.index_select(words[0], 1, idx, out=words[1])
+        torch.index_select(words[0], 2, idx, out=words[1])
+
+
+def _index_copy_into(rows: Tensor, idx: Tensor, src: Tensor) -> None:
+    """rows[:, :, idx] = src in one pass (as 16-byte words on CPU); rows, src: [L, 2, *, S*H*D]."""
+    words = as_words(rows, src) if rows.device.type == "cpu" else None
+    if words is None:
+        rows.index_copy_(2, idx, src)
+    else:
+        words[0].index_copy_(2, idx, words[1])

@@ -8,10 +8,17 @@ order. Users in flight are never moved; the manager's lock is held for every cal
 from __future__ import annotations
 
 from array import array
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import paged_kvcache_ops
 from .config import PageLayout
 from .events import CacheEvents
+from .metadata import token_slots
 from .policy import EvictionPolicy
 from .pool import DevicePagePool
 from .storage import HostEntry, HostKVStorage, HostPages
@@ -34,6 +41,14 @@ class Resident:
         self.synced = synced
 
 
+class Onload(NamedTuple):
+    """A user to onload: what its tier returned, and the fresh device pages it goes into."""
+
+    user_id: int
+    host: HostPages
+    pages: array
+
+
 class Residency:
     """Resident users over a device page pool, an eviction policy and a storage tier (not thread-safe)."""
 
@@ -41,10 +56,10 @@ class Residency:
         self, layout: PageLayout, pool: DevicePagePool, host: HostKVStorage, policy: EvictionPolicy,
         events: CacheEvents, counters: dict[str, int], in_flight: set[int],
     ) -> None:
-        self._layout = layout
-        self._pool = pool
-        self._host = host
-        self._policy = policy
+        self.layout = layout
+        self.pool = pool
+        self.host = host
+        self.policy = policy
         self._events = events
         self._counters = counters
         self.in_flight = in_flight  # the manager's: users with a prepare pending
@@ -56,31 +71,58 @@ class Residency:
         res = self.users.get(u)
         if res is not None and res.length:
             return HostEntry(res.start_pos, res.length, res.tag)
-        h = self._host.info(u) if res is None else None
+        h = self.host.info(u) if res is None else None
         return h if h is not None else _NOTHING
 
-    def prefetch(self, wanted: dict[int, HostEntry]) -> int:
-        """Onload the users (host-only, with the entries `info` reported) whose pages can be freed without
-        evicting one of them or a user in flight; returns how many were onloaded."""
-        room = self._pool.num_free + self.evictable_pages(exclude=wanted.keys())
+    def read_kv(self, u: int, layer: int) -> tuple[Tensor, Tensor]:
+        """The user's committed K and V of one layer, [length, H, D] copies on the device, from the
+        device pages or else the host tier (empty when neither holds the user)."""
+        lay, pool = self.layout, self.pool
+        res = self.users.get(u)
+        if res is not None and res.length:
+            pages = np.asarray(res.pages, dtype=np.int64)
+            slots = token_slots(pages, np.array([len(pages)]), np.array([0]), np.array([res.length]), lay.page_size)
+            pool.wait_for_layer(layer)
+            idx = torch.from_numpy(slots).to(pool.device)
+            return paged_kvcache_ops.gather_kvcache(pool.k_cache(layer), pool.v_cache(layer), idx)
+        hp = self.host.read(u) if self.host.info(u) is not None else None
+        if hp is None:
+            empty = torch.zeros((0, lay.num_heads, lay.head_dim), dtype=lay.dtype, device=pool.device)
+            return empty, empty.clone()
+        kv = hp.pages[:, layer].transpose(0, 1).reshape(2, -1, lay.num_heads, lay.head_dim)[:, : hp.length]
+        kv = kv.to(pool.device, copy=True)
+        return kv[0], kv[1]
+
+    def prefetch(self, user_ids: list[int]) -> int:
+        """Onload the host-only users among `user_ids` whose pages can be freed without evicting one of
+        them or a user in flight; returns how many were onloaded."""
+        wanted: dict[int, HostEntry] = {}
+        for u in user_ids:
+            if u not in self.users and u not in wanted:
+                h = self.host.info(u)
+                if h is not None:
+                    wanted[u] = h
+        if not wanted:
+            return 0
+        room = self.pool.num_free + self.evictable_pages(exclude=wanted.keys())
         need = 0
         for u, h in list(wanted.items()):
-            pages = self._layout.num_pages(h.length)
+            pages = self.layout.num_pages(h.length)
             if need + pages > room:
                 del wanted[u]  # a later, smaller user may still fit
             else:
                 need += pages
-        if need > self._pool.num_free:
+        if need > self.pool.num_free:
             self.evict_for(need, batch=set(wanted), protect=wanted.keys())
-        self._pool.sync_onloads()  # a read may promote into host memory an onload still reads
-        onloaded = 0
+        self.pool.sync_onloads()  # a read may promote into host memory an onload still reads
+        moves = []
         for u, h in wanted.items():
-            hp = self._host.read(u)
+            hp = self.host.read(u)
             if hp is None or hp.entry != h:
                 continue  # lost or changed meanwhile: the next prepare finds out and re-plans
-            self.onload(u, hp, self._pool.alloc(self._layout.num_pages(hp.length)))
-            onloaded += 1
-        return onloaded
+            moves.append(Onload(u, hp, self.pool.alloc(self.layout.num_pages(hp.length))))
+        self.onload(moves)
+        return len(moves)
 
     def evictable_pages(self, exclude: Collection[int]) -> int:
         return sum(len(res.pages) for u, res in self.users.items() if u not in self.in_flight and u not in exclude)
@@ -90,8 +132,8 @@ class Residency:
 
         Victims are offloaded first; their host writes must not push `protect` out of the host.
         """
-        victims, free = [], self._pool.num_free
-        for u in self._policy.order():
+        victims, free = [], self.pool.num_free
+        for u in self.policy.order():
             if free >= pages_needed:
                 break
             if u not in batch and u not in self.in_flight:
@@ -106,23 +148,44 @@ class Residency:
             self.offload(u, protect)
         self.drop(u)
         self._counters["device_evictions"] += 1
-        held = self._host.info(u)
+        held = self.host.info(u)
         if held is None:
             self._events.gone(u)
         else:
             self._events.on_host(u, held.start_pos, held.length)
 
+    def invalidate(self, u: int) -> None:
+        """Forget the user in every tier (not in flight)."""
+        if u in self.users:
+            self.drop(u)
+        self.host.drop(u)
+        self.offload_requested.discard(u)
+        self._events.gone(u)
+
     def drop(self, u: int) -> None:
         res = self.users.pop(u)
-        self._policy.remove(u)
-        self._pool.free(res.pages)
+        self.policy.remove(u)
+        self.pool.free(res.pages)
         self.offload_requested.discard(u)
 
-    def onload(self, u: int, hp: HostPages, pages: array) -> Resident:
-        self._pool.copy_in(pages, hp.pages)
+    def onload(self, moves: Sequence[Onload]) -> None:
+        """Copy the users' pages in (one pool onload for all) and make them resident."""
+        self.copy_onloads(moves)
+        for move in moves:
+            self.admit(move)
+
+    def copy_onloads(self, moves: Sequence[Onload]) -> None:
+        """One pool onload for all the moves (on CUDA layer by layer: each layer of every user before the
+        next layer, so that compute waits for the layers it reads only)."""
+        if moves:
+            self.pool.copy_in([(m.pages, m.host.pages) for m in moves])
+
+    def admit(self, move: Onload) -> Resident:
+        """The user, whose pages `copy_onloads` copied, resident with exactly the entry its tier returned."""
+        u, hp, pages = move
         res = self.users[u] = Resident(hp.start_pos, hp.length, pages, hp.tag, synced=hp.entry)
-        self._policy.add(u)
-        self._counters["onloaded_bytes"] += len(pages) * self._layout.page_nbytes
+        self.policy.add(u)
+        self._counters["onloaded_bytes"] += len(pages) * self.layout.page_nbytes
         self._events.on_device(u, hp.start_pos, hp.length)
         return res
 
@@ -136,26 +199,26 @@ class Residency:
         res = self.users.get(u)
         if res is None or res.length == 0:
             return
-        h = self._host.info(u)
+        h = self.host.info(u)
         ours = HostEntry(res.start_pos, res.length, res.tag)
         if h == ours:
             res.synced = ours
             return
-        num_pages = self._layout.num_pages(res.length)
+        num_pages = self.layout.num_pages(res.length)
         if h is not None and h == res.synced:
             # Rewrite the partial last page, then the new ones (the last page alone for a new tag).
-            first = min(h.length // self._layout.page_size, num_pages - 1)
+            first = min(h.length // self.layout.page_size, num_pages - 1)
         else:
             first = 0
         pages = res.pages[first:num_pages]
-        self._pool.sync_onloads()  # the tier may rewrite host memory an onload still reads
-        result = self._host.write(
-            u, res.start_pos, res.length, first, lambda dst: self._pool.copy_out(pages, dst),
+        self.pool.sync_onloads()  # the tier may rewrite host memory an onload still reads
+        result = self.host.write(
+            u, res.start_pos, res.length, first, lambda dst: self.pool.copy_out(pages, dst),
             protect=protect, tag=res.tag,
         )
         if result.stored:
             res.synced = ours
-            self._counters["offloaded_bytes"] += len(pages) * self._layout.page_nbytes
+            self._counters["offloaded_bytes"] += len(pages) * self.layout.page_nbytes
         else:
             self._counters["host_rejected_writes"] += 1
         self._counters["host_evictions"] += len(result.evicted)

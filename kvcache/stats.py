@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .pool import DevicePagePool
+    from .storage import HostKVStorage
 
 
 @dataclass(frozen=True)
@@ -55,3 +60,17 @@ def tier_counters(counters: dict[str, int]) -> dict[str, int]:
 def new_counters() -> dict[str, int]:
     """Mutable counters for the manager; `counters["hits"] += 1` (a misspelt name raises)."""
     return dict.fromkeys(COUNTERS, 0)
+
+
+def snapshot(counters: dict[str, int], pool: DevicePagePool, host: HostKVStorage, users_on_device: int) -> CacheStats:
+    """The manager's counters with the tiers' counters and the occupancy of the pool and the host tier."""
+    return CacheStats(
+        **counters,
+        **tier_counters(host.counters()),
+        pages_in_use=pool.num_used,
+        pages_total=pool.num_pages,
+        users_on_device=users_on_device,
+        users_on_host=host.num_users,
+        host_bytes_used=host.bytes_used,
+        host_capacity_bytes=host.capacity_bytes,
+    )

@@ -25,6 +25,15 @@ def int_list(values: UserIds, name: str) -> list[int]:
         raise KVCacheRequestError(f"{name} must be a sequence of ints: {exc}") from exc
 
 
+def not_in_flight(user_ids: UserIds, in_flight: set[int], verb: str) -> list[int]:
+    """The users, none of which may have a prepare in flight (they are about to be `verb`)."""
+    users = int_list(user_ids, "user_ids")
+    for u in users:
+        if u in in_flight:
+            raise KVCacheRequestError(f"User {u} has a prepare in flight and cannot be {verb}; commit or roll it back first.")
+    return users
+
+
 def tag_list(tags: Sequence[bytes], n: int) -> list[bytes]:
     if isinstance(tags, (bytes, bytearray, str)) or len(tags) != n:
         raise KVCacheRequestError(f"tags must be a sequence of {n} bytes values (one per user), got {tags!r:.80}.")

@@ -79,7 +79,11 @@ class PagedKV:
         metadata: KVCacheMetadata,
         sink_slot: int | None = None,
     ):
-        """`sink_slot` (`KVCacheManager.sink_slot`) is where padding rows of a bucketed batch append."""
+        """`k_cache(l)` / `v_cache(l)` (`KVCacheManager.k_cache`, `.v_cache`) are asked for layer l's pages
+        when the forward reaches layer l, right before it appends and reads them, and never earlier:
+        that is where the manager makes compute wait for layer l's onload (and no other layer's), so
+        the first layers compute while the later ones are still being copied to the device.
+        `sink_slot` (`KVCacheManager.sink_slot`) is where padding rows of a bucketed batch append."""
         self._k_cache, self._v_cache = k_cache, v_cache
         self.metadata = metadata
         self.sink_slot = sink_slot
@@ -99,7 +103,7 @@ class PagedKV:
         return {"kv.new_token_slots": slots}
 
     def layer_kv(self, layer, k, v, num_history_rows, device_inputs):
-        k_pages, v_pages = self._k_cache(layer), self._v_cache(layer)  # [num_pages, page_size, H, D]
+        k_pages, v_pages = self._k_cache(layer), self._v_cache(layer)  # [num_pages, page_size, H, D]; layer ready
         paged_kvcache_ops.append_kvcache(
             k_pages, v_pages, k[:num_history_rows].to(k_pages.dtype), v[:num_history_rows].to(v_pages.dtype),
             device_inputs["kv.new_token_slots"],

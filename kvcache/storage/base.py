@@ -8,7 +8,10 @@ of a `PageLayout`:
   the last page possibly partial. An entry is always a valid prefix of what the device held
   for that user: a tier may drop a whole entry, never return part of one or stale data.
 * A page is `[num_layers, 2, page_size, num_heads, head_dim]` (K and V of all layers), so
-  pages move as `[k, *page_shape]` tensors (page-major: each page is one contiguous blob).
+  pages move as `[k, *page_shape]` tensors. Their strides are the tier's choice (the dims
+  of a page row, `page_size, num_heads, head_dim`, dense): tiers that store bytes use page-major
+  tensors (a page is one contiguous blob); the in-memory tier hands out layer-major views (a
+  layer of a user is one contiguous block, copied to the device in one DMA).
 * Writes are incremental: `write(user, start_pos, length, first_page, fill)` replaces pages
   `[first_page, ceil(length / page_size))` and keeps pages `[0, first_page)`: offloading
   after a visit writes only the rewritten last partial page and the new ones.

@@ -36,7 +36,8 @@ class InMemoryHostStorage(BytesBoundedTier):
 
     All pages live in one `HostPageSlab` of `capacity_bytes`, allocated at `bind` (pinned with
     `pin_memory`, for CUDA devices) and never again: `slab.allocations` stays 1. Each user holds
-    one contiguous range of it, so an offload or onload of a user is one copy. Ranges come in
+    one contiguous range of it, layer-major inside (`HostPageSlab.view`), so an offload or onload
+    of a user is one copy per layer, and the read pages are views with those strides. Ranges come in
     size classes (4 per octave) and grow geometrically when there is room, so appends after each
     visit cost amortised O(new pages). `bytes_used` counts the ranges of stored users.
     """
@@ -77,7 +78,7 @@ class InMemoryHostStorage(BytesBoundedTier):
         entry = _Entry(start_pos, length, bytes(tag), range_)
         self._users.put(user_id, entry, range_.pages * layout.page_nbytes)
         try:
-            fill(self.slab.view(range_, num_pages)[first_page:])
+            fill(self.slab.view(range_, num_pages, first_page))
         except BaseException:
             self.drop(user_id)
             raise

@@ -406,7 +406,7 @@ def test_a_position_overflow_is_refused_before_anything_changes():
 
 
 def test_a_failure_after_allocation_rolls_the_prepare_back(monkeypatch):
-    import kvcache.manager as manager_module
+    import kvcache.transactions as transactions_module
 
     mgr = KVCacheManager(_config())
     serve(mgr, [1], [0], [5])
@@ -414,7 +414,7 @@ def test_a_failure_after_allocation_rolls_the_prepare_back(monkeypatch):
     def broken(*args, **kwargs):
         raise MemoryError("no memory for the page tables")
 
-    monkeypatch.setattr(manager_module, "build_metadata", broken)
+    monkeypatch.setattr(transactions_module, "build_metadata", broken)
     with pytest.raises(MemoryError):
         mgr.prepare_kv_cache([1, 2], [5, 0], [3, 3])
     monkeypatch.undo()

@@ -1,0 +1,138 @@
+"""Per-layer onload: host pages whose layers are contiguous blocks, copies per layer, one event per layer."""
+import pytest
+import torch
+
+from kvcache import DiskHostStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager
+from kvcache.pool import DevicePagePool
+from kvcache.storage.page_codec import new_pages
+from kvcache.testing import expected_kv, serve
+
+NUM_LAYERS = 3
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="the onload stream and its events exist on CUDA only")
+
+
+def _config(device="cpu", **kw):
+    return KVCacheConfig(num_layers=NUM_LAYERS, num_heads=2, head_dim=4, page_size=4, num_pages=64, device=device,
+                         host_capacity_bytes=1 << 20, **kw)
+
+
+def _random_pages(layout, n, seed):
+    pages = new_pages(layout, n)
+    pages.copy_(torch.randn(pages.shape, generator=torch.Generator().manual_seed(seed)).to(layout.dtype))
+    return pages
+
+
+def _assert_holds(mgr, users, start, length):
+    layout = mgr.config.page_layout
+    for u in users:
+        for layer in range(NUM_LAYERS):
+            k, v = mgr.read_kv(u, layer)
+            k_want, v_want = expected_kv(layout, u, start, length, layer)
+            assert torch.equal(k.cpu(), k_want) and torch.equal(v.cpu(), v_want), (u, layer)
+
+
+def test_memory_tier_hands_out_each_layer_of_a_user_as_one_block_and_keeps_them_through_growth():
+    layout = _config().page_layout
+    tier = InMemoryHostStorage(64 * layout.page_nbytes)
+    tier.bind(layout)
+    first, more = _random_pages(layout, 3, 1), _random_pages(layout, 9, 2)
+    assert tier.write(7, 0, 12, 0, lambda dst: dst.copy_(first)).stored
+    assert tier.write(7, 0, 34, 2, lambda dst: dst.copy_(more[2:])).stored  # grows into a new range
+    pages = tier.read(7).pages
+    assert pages.shape == (9, *layout.page_shape)
+    assert torch.equal(pages[:2], first[:2]) and torch.equal(pages[2:], more[2:])
+    block = pages[:, 0].numel() * pages.element_size()  # one layer of the user, every page
+    for layer in range(NUM_LAYERS):
+        assert pages[:, layer].is_contiguous()
+        assert pages[:, layer].data_ptr() - pages.data_ptr() >= layer * block  # blocks in layer order, apart
+
+
+def _layer_major(layout, pages, capacity):
+    """`pages` as the in-memory tier hands them out: a view of a range of `capacity` pages, layer-major."""
+    storage = new_pages(layout, capacity).view(-1).view(NUM_LAYERS, capacity, 2, *layout.page_shape[2:])
+    storage[:, : len(pages)].copy_(pages.transpose(0, 1))
+    return storage[:, : len(pages)].transpose(0, 1)
+
+
+def test_pool_moves_pages_of_either_layout_bit_exactly_and_together(device):
+    layout = _config().page_layout
+    pool = DevicePagePool(layout, 16, torch.device(device))
+    first, second = _random_pages(layout, 3, 3), _random_pages(layout, 2, 4)
+    from_tier = _layer_major(layout, first, 8)
+    assert not from_tier.is_contiguous() and all(from_tier[:, layer].is_contiguous() for layer in range(NUM_LAYERS))
+    pages = pool.alloc(5)[::-1]  # scattered, in reverse order
+    pool.copy_in([(pages[:3], from_tier), (pages[3:], second)])  # page-major `second`
+    pool.wait_for_onloads()
+    src = torch.cat([first, second])
+    for layer in range(NUM_LAYERS):
+        k, v = pool.k_cache(layer)[list(pages)].cpu(), pool.v_cache(layer)[list(pages)].cpu()
+        assert torch.equal(k, src[:, layer, 0]) and torch.equal(v, src[:, layer, 1])
+    for dst in (new_pages(layout, 5), _layer_major(layout, torch.zeros_like(src), 7)):
+        pool.copy_out(pages, dst)
+        assert torch.equal(dst, src)
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_onloaded_users_read_back_exactly_from_either_tier(device, tier, tmp_path):
+    cfg = _config(device)
+    host = InMemoryHostStorage(1 << 20) if tier == "memory" else DiskHostStorage(tmp_path, 1 << 20)
+    with KVCacheManager(cfg, host_storage=host) as mgr:
+        serve(mgr, [1, 2, 3], [0, 0, 0], [9, 13, 4])
+        mgr.offload_kv_cache()
+        mgr.evict_kv_cache()
+        meta = mgr.prepare_kv_cache([1, 2, 3], [9, 13, 4], [0, 0, 0])  # onloads, layer by layer on CUDA
+        mgr.commit(meta)
+        assert mgr.stats().onloaded_bytes == (3 + 4 + 1) * cfg.page_layout.page_nbytes
+        _assert_holds(mgr, [1], 0, 9)
+        _assert_holds(mgr, [2], 0, 13)
+        mgr.check_invariants()
+    host.close()
+
+
+def _onload_held_back(mgr, users, lengths):
+    """Evict the users, clear the freed pages, and onload them again behind a long sleep on the onload
+    stream: a read of the pool that does not wait for the copies sees zeros."""
+    mgr.offload_kv_cache()
+    mgr.evict_kv_cache()
+    mgr._pool.kv.zero_()
+    with torch.cuda.stream(mgr._pool._onload_stream):
+        torch.cuda._sleep(50_000_000)
+    mgr.commit(mgr.prepare_kv_cache(users, lengths, [0] * len(users)))
+
+
+@cuda_only
+def test_compute_waits_for_the_layer_it_reads_and_only_that_layer():
+    with KVCacheManager(_config("cuda")) as mgr:
+        serve(mgr, [1, 2], [0, 0], [40, 24])
+        _onload_held_back(mgr, [1, 2], [40, 24])
+        events = mgr._pool._onload_events
+        assert events.unwaited_layers() == list(range(NUM_LAYERS))
+        mgr.k_cache(0)
+        assert events.unwaited_layers() == list(range(1, NUM_LAYERS))  # layer 0 waited for, no other
+        for layer in range(NUM_LAYERS):
+            k, v = mgr.read_kv(1, layer)  # reads through the pool's layer `layer` on the current stream
+            k_want, v_want = expected_kv(mgr.config.page_layout, 1, 0, 40, layer)
+            assert torch.equal(k.cpu(), k_want) and torch.equal(v.cpu(), v_want), layer
+            assert events.unwaited_layers() == list(range(layer + 1, NUM_LAYERS))
+
+
+@cuda_only
+def test_an_offload_waits_for_the_onload_and_a_replay_for_every_layer():
+    with KVCacheManager(_config("cuda")) as mgr:
+        layout = mgr.config.page_layout
+        serve(mgr, [1], [0], [30])
+        _onload_held_back(mgr, [1], [30])
+        mgr.host_storage.drop(1)
+        mgr.offload_kv_cache([1])  # right behind the held-back copies: must store the onloaded pages, not zeros
+        pages = mgr.host_storage.read(1).pages
+        for layer in range(NUM_LAYERS):
+            k_want, v_want = expected_kv(layout, 1, 0, 30, layer)
+            assert torch.equal(pages[:, layer, 0].reshape(-1, *k_want.shape[1:])[:30], k_want)
+            assert torch.equal(pages[:, layer, 1].reshape(-1, *v_want.shape[1:])[:30], v_want)
+        _onload_held_back(mgr, [1], [30])
+        mgr.wait_for_onloads()  # what a CUDA graph replay does: it reads the pool without asking k_cache
+        assert mgr._pool._onload_events.unwaited_layers() == []
+        snapshot = mgr._pool.kv.clone()  # on the current stream, after every layer's event
+        torch.cuda.synchronize()
+        assert torch.equal(snapshot, mgr._pool.kv)
+        _assert_holds(mgr, [1], 0, 30)

@@ -1,0 +1,104 @@
+"""The model waits for an onloaded layer right before it uses it: layer l asks the cache for layer l's
+pages (where the manager makes compute wait for that layer's onload) only once layers < l have
+appended theirs, and the logits of visits onloaded from any tier equal a full recompute."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import (
+    Visit,
+    assert_logits_close,
+    random_candidates,
+    random_histories,
+    sensitive_model,
+    serve,
+    tiny_config,
+    unique_namespace,
+)
+from kvcache import (
+    DiskHostStorage,
+    InMemoryHostStorage,
+    KVCacheConfig,
+    KVCacheManager,
+    TieredHostStorage,
+)
+from kvcache.storage.redis_tier import RedisHostStorage
+from model.kv_store import PagedKV
+
+UNWRITTEN = 12345.0  # put into the new tokens' K slots before the forward; an append overwrites it
+
+
+class LayerReadinessLog:
+    """Stands between `PagedKV` and the cache: records each layer the forward asks pages for, and which
+    layers had appended their new tokens' K at that moment."""
+
+    def __init__(self, cache: KVCacheManager, new_token_slots: torch.Tensor) -> None:
+        self.cache = cache
+        self.slots = new_token_slots
+        self.asked: list[tuple[str, int, tuple[int, ...]]] = []
+        for layer in range(cache.config.num_layers):
+            self._rows(layer)[self.slots] = UNWRITTEN
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        self.asked.append(("k", layer, self._appended()))
+        return self.cache.k_cache(layer)
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        self.asked.append(("v", layer, self._appended()))
+        return self.cache.v_cache(layer)
+
+    def _rows(self, layer: int) -> torch.Tensor:
+        cfg = self.cache.config
+        return self.cache.k_cache(layer).view(-1, cfg.num_heads, cfg.head_dim)
+
+    def _appended(self) -> tuple[int, ...]:
+        layers = range(self.cache.config.num_layers)
+        return tuple(layer for layer in layers if not (self._rows(layer)[self.slots] == UNWRITTEN).any())
+
+
+def _host(tier: str, tmp_path, request) -> object:
+    if tier == "memory":
+        return InMemoryHostStorage(1 << 24)
+    if tier == "disk":
+        return DiskHostStorage(tmp_path, 1 << 24)
+    if tier == "memory+disk":  # reads from disk are promoted into the memory tier before the onload
+        return TieredHostStorage([InMemoryHostStorage(1 << 24), DiskHostStorage(tmp_path, 1 << 24)])
+    return RedisHostStorage(request.getfixturevalue("redis_server"), unique_namespace("layers"), 1 << 24)
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk", "memory+disk", "redis"])
+def test_each_layer_asks_for_its_pages_right_before_it_and_onloads_from_every_tier_keep_parity(tier, tmp_path, request):
+    cfg = tiny_config()
+    model = sensitive_model(cfg, 0)
+    rng = np.random.default_rng(1)
+    histories = random_histories(rng, 4, 60, cfg)
+    host = _host(tier, tmp_path, request)
+    cache = KVCacheManager(KVCacheConfig(
+        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
+        num_pages=256,
+    ), host_storage=host)
+    users = list(histories)
+    serve(model, cache, histories, [Visit(u, 20 + 3 * u, random_candidates(rng, 2)) for u in users])
+    cache.offload_kv_cache()
+    cache.evict_kv_cache()  # the next visits onload every user from the tier
+    if tier == "memory+disk":
+        for u in users:
+            host.tiers[0].drop(u)  # read from disk, promoted into the memory tier, onloaded from there
+    logs = []
+
+    def logged_forward(batch, kv):
+        log = LayerReadinessLog(cache, kv.metadata.new_token_slots)
+        logs.append(log)
+        return model(batch, PagedKV(log.k_cache, log.v_cache, kv.metadata, kv.sink_slot))
+
+    visits = [Visit(u, 45, random_candidates(rng, 3)) for u in users]
+    onloaded_before = cache.stats().onloaded_bytes
+    cached = serve(model, cache, histories, visits, forward=logged_forward)
+    assert cache.stats().onloaded_bytes > onloaded_before and cache.stats().hits == len(users)
+    assert_logits_close(cached, serve(model, None, histories, visits))
+    expected = [(which, layer, tuple(range(layer))) for layer in range(cfg.num_layers) for which in ("k", "v")]
+    assert [log.asked for log in logs] == [expected]
+    cache.close()
+    host.close()
