@@ -5,14 +5,8 @@ committed and rolled back by `Transactions`; which users the device holds and th
 device pages and the tiers live in `Residency`; pages come from `DevicePagePool`, victims from an
 `EvictionPolicy`, and the host tier is any `HostKVStorage`. One RLock guards all of it.
 
-A user is, at any time, in one of these states (docs/kvcache.md draws the machine):
-
-* unknown: nothing cached in any tier;
-* resident: its committed tokens `[start_pos, start_pos + length)` are in device pages
-  (`pages[i]` holds tokens `start_pos + i * page_size ...`), and the host may hold a prefix;
-* host-only: evicted from the device, the host tier holds `(start_pos, length)`;
-* in flight: resident, with a prepared but uncommitted batch; its extra pages are reserved
-  and its length only moves at commit.
+A user is unknown, resident, host-only or in flight (`kvcache.residency` lists the states,
+docs/kvcache.md draws the machine).
 
 The host tier is the source of truth for what it holds (it may evict on its own, and a
 persistent or shared tier may lose or change data behind the manager's back); the manager

@@ -4,6 +4,15 @@ The manager's state machine (docs/kvcache.md) changes a user's residency only th
 onload (tier -> fresh device pages), offload (device -> tiers, incremental), evict (offload
 first, then free the pages), drop, prefetch, and making room for a batch in eviction-policy
 order. Users in flight are never moved; the manager's lock is held for every call.
+
+A user is, at any time, in one of these states:
+
+* unknown: nothing cached in any tier;
+* resident: its committed tokens `[start_pos, start_pos + length)` are in device pages
+  (`pages[i]` holds tokens `start_pos + i * page_size ...`), and the host may hold a prefix;
+* host-only: evicted from the device, the host tier holds `(start_pos, length)`;
+* in flight: resident, with a prepared but uncommitted batch; its extra pages are reserved
+  and its length only moves at commit.
 """
 from __future__ import annotations
 
