@@ -58,26 +58,29 @@ class LayerReadinessLog:
         return tuple(layer for layer in layers if not (self._rows(layer)[self.slots] == UNWRITTEN).any())
 
 
-def _host(tier: str, tmp_path, request) -> object:
+def _host(tier: str, device: str, tmp_path, request) -> object:
+    pinned = device == "cuda"  # the memory tier's layers then go up as asynchronous DMAs
     if tier == "memory":
-        return InMemoryHostStorage(1 << 24)
+        return InMemoryHostStorage(1 << 24, pin_memory=pinned)
     if tier == "disk":
         return DiskHostStorage(tmp_path, 1 << 24)
     if tier == "memory+disk":  # reads from disk are promoted into the memory tier before the onload
-        return TieredHostStorage([InMemoryHostStorage(1 << 24), DiskHostStorage(tmp_path, 1 << 24)])
+        return TieredHostStorage([InMemoryHostStorage(1 << 24, pin_memory=pinned), DiskHostStorage(tmp_path, 1 << 24)])
     return RedisHostStorage(request.getfixturevalue("redis_server"), unique_namespace("layers"), 1 << 24)
 
 
 @pytest.mark.parametrize("tier", ["memory", "disk", "memory+disk", "redis"])
-def test_each_layer_asks_for_its_pages_right_before_it_and_onloads_from_every_tier_keep_parity(tier, tmp_path, request):
+def test_each_layer_asks_for_its_pages_right_before_it_and_onloads_from_every_tier_keep_parity(
+    tier, device, tmp_path, request
+):
     cfg = tiny_config()
-    model = sensitive_model(cfg, 0)
+    model = sensitive_model(cfg, 0).to(device)
     rng = np.random.default_rng(1)
     histories = random_histories(rng, 4, 60, cfg)
-    host = _host(tier, tmp_path, request)
+    host = _host(tier, device, tmp_path, request)
     cache = KVCacheManager(KVCacheConfig(
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-        num_pages=256,
+        num_pages=256, device=device,
     ), host_storage=host)
     users = list(histories)
     serve(model, cache, histories, [Visit(u, 20 + 3 * u, random_candidates(rng, 2)) for u in users])
