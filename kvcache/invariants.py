@@ -8,7 +8,10 @@ def check_invariants(residency: Residency) -> None:
     """Assert that pages, residents, the policy and the host tier agree (the manager's lock held).
 
     Every page is owned once or free; every resident user is in the policy; a user in flight
-    holds at least its committed pages, any other exactly them; no tier is ahead of the device.
+    holds at least its committed pages, any other exactly them; what this manager last wrote to
+    or read from its tiers for a user is never ahead of the device. (A tier shared with other
+    nodes may hold more of the user: another node served it meanwhile. That is a stale device
+    copy, not broken bookkeeping.)
     """
     lay, pool, users, in_flight = residency.layout, residency.pool, residency.users, residency.in_flight
     owned = [p for res in users.values() for p in res.pages]
@@ -24,5 +27,5 @@ def check_invariants(residency: Residency) -> None:
             assert len(res.pages) >= committed, f"user {u} lost pages"
         else:
             assert res.length > 0 and len(res.pages) == committed, f"user {u} holds wrong pages"
-        h = residency.host.info(u)
+        h = res.synced
         assert h is None or (h.start_pos == res.start_pos and h.length <= res.length), f"user {u}: host ahead"

@@ -203,6 +203,9 @@ class Residency:
 
         Incremental only on top of the entry this manager wrote or onloaded (`synced`): a shared tier
         may hold a same-start entry of another history (another node), whose pages must not be kept.
+        Nothing is written when a shared tier holds an entry of another writer that reaches further
+        into the user's history: another node served the user since, and the device copy is a stale
+        prefix of what the tier holds (`superseded_offloads`).
         """
         self.offload_requested.discard(u)
         res = self.users.get(u)
@@ -212,6 +215,9 @@ class Residency:
         ours = HostEntry(res.start_pos, res.length, res.tag)
         if h == ours:
             res.synced = ours
+            return
+        if h is not None and h != res.synced and h.start_pos + h.length > res.start_pos + res.length:
+            self._counters["superseded_offloads"] += 1
             return
         num_pages = self.layout.num_pages(res.length)
         if h is not None and h == res.synced:

@@ -23,6 +23,7 @@ class CacheStats:
     device_evictions: int = 0  # users dropped from the device (pool pressure or evict_kv_cache)
     host_evictions: int = 0  # users the host tier dropped to make room
     host_rejected_writes: int = 0  # offloads the host tier could not store (user larger than the tier)
+    superseded_offloads: int = 0  # offloads not written: a shared tier held more of the user (another node's)
     refusals: int = 0  # requests refused with a KVCacheRequestError
     rollbacks: int = 0  # prepares rolled back
     prefetched_users: int = 0  # users onloaded by `prefetch` ahead of their prepare

@@ -566,3 +566,30 @@ def test_local_server_starts_from_a_relative_workdir(tmp_path, monkeypatch):
     with LocalRedisServer("relative/redis") as server:
         assert redis.Redis.from_url(server.url).ping()
     assert (tmp_path / "relative" / "redis" / "redis.log").exists()
+
+
+def test_invariants_hold_when_another_node_extends_a_shared_user(redis_server):
+    """Two managers over one Redis namespace: B serves the user further than A's device copy.
+    A's copy is stale, not broken: its bookkeeping invariants still hold, and A's next offload
+    does not clobber B's longer entry."""
+    namespace = unique_namespace()
+    config = dict(num_layers=LAYOUT.num_layers, num_heads=LAYOUT.num_heads, head_dim=LAYOUT.head_dim,
+                  page_size=LAYOUT.page_size, num_pages=32, host_capacity_bytes=0,
+                  redis_url=redis_server, redis_namespace=namespace)
+    with KVCacheManager(KVCacheConfig(**config)) as a, KVCacheManager(KVCacheConfig(**config)) as b:
+        serve(a, [7], [0], [6])
+        a.offload_kv_cache([7])
+        serve(b, [7], [6], [5])  # B onloads A's 6 tokens from Redis and adds 5
+        b.offload_kv_cache([7])
+        a.check_invariants()
+        b.check_invariants()
+        a.offload_kv_cache([7])  # A's copy is a stale prefix: B's longer entry stays
+        assert a.stats().superseded_offloads == 1
+        a.evict_kv_cache([7])  # A synced its copy before: evicting it writes nothing
+        with KVCacheManager(KVCacheConfig(**config)) as c:
+            assert [int(x) for x in c.get_user_kvdata_info([7])[1]] == [11]
+            serve(c, [7], [11], [1])  # and it is B's K/V that come back
+            for layer in range(LAYOUT.num_layers):
+                k, v = c.read_kv(7, layer)
+                expected_k, expected_v = expected_kv(LAYOUT, 7, 0, 12, layer)
+                assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
