@@ -74,6 +74,7 @@ class TokenEmbedder(nn.Module):
             "token_rows": features.token_rows,
             "prefix_rows": features.prefix_rows.reshape(-1),
             "candidate_video_ids": features.candidate_video_ids,
+            "candidate_user_ids": features.candidate_user_ids,
         }
 
     def candidate_bias(self, device_inputs: Mapping[str, Tensor]) -> Tensor:

@@ -52,6 +52,7 @@ class TokenFeatures:
     prefix_ids: np.ndarray  # [P (+ pad), C] user-feature ids of the users whose visit opens their window
     prefix_rows: np.ndarray  # [P (+ pad), C] rows of their prefix tokens in x
     candidate_video_ids: np.ndarray  # [shape.candidate_rows] hashed video id of each candidate row (0: padding)
+    candidate_user_ids: np.ndarray  # [shape.candidate_rows] hashed user id of each candidate row (0: padding)
     shape: BatchShape  # x has shape.num_rows rows (+ the scratch row)
 
 
@@ -101,10 +102,12 @@ def token_features(
     prefix_rows = history_starts[opening, None] + np.arange(num_prefix, dtype=np.int64)
     candidate_video_ids = np.zeros(shape.candidate_rows, dtype=np.int64)
     candidate_video_ids[:n_cands] = ids["video_id"][1]
+    candidate_user_ids = np.zeros(shape.candidate_rows, dtype=np.int64)
+    candidate_user_ids[:n_cands] = np.remainder(batch.user_ids[cand_rows], max(config.user_hash_size, 1))
     if shape != exact:  # fixed lengths: a bucket's token count bounds N + M, its user count P
         pad_tokens, pad_users = shape.num_rows - len(token_rows), shape.users - len(opening)
         token_ids = {name: np.pad(ids, (0, pad_tokens)) for name, ids in token_ids.items()}
         token_rows = np.pad(token_rows, (0, pad_tokens), constant_values=shape.scratch_row)
         prefix_ids = np.pad(prefix_ids, ((0, pad_users), (0, 0)))
         prefix_rows = np.pad(prefix_rows, ((0, pad_users), (0, 0)), constant_values=shape.scratch_row)
-    return TokenFeatures(token_ids, token_rows, prefix_ids, prefix_rows, candidate_video_ids, shape)
+    return TokenFeatures(token_ids, token_rows, prefix_ids, prefix_rows, candidate_video_ids, candidate_user_ids, shape)

@@ -28,6 +28,7 @@ from model.hstu import HSTULayer
 from model.kv_store import FullRecompute, KVStore
 from model.staging import DeviceArrays, DeviceStaging
 from model.token_layout import TokenLayout, TokenSpans
+from model.user_taste import UserTaste
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class HSTURecommender(nn.Module):
             nn.SiLU(),
             nn.Linear(config.mlp_hidden_dim, config.num_tasks),
         )
+        # Candidate-only logit terms beside the head: nothing cached depends on them.
+        self.user_taste = UserTaste(config, device=device) if config.user_hash_size else None
         self._staging: dict[torch.device, DeviceStaging] = {}
         # "auto": the Triton kernel on CUDA (when triton imports), the blocked torch path elsewhere.
         self.attention_backend = "auto"
@@ -121,6 +124,8 @@ class HSTURecommender(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, inputs.attention, kv, inputs.device_inputs, history_outputs_needed=i < last)
         logits = self.head(self.output_norm(x)) + self.embedder.candidate_bias(inputs.device_inputs).to(x.dtype)
+        if self.user_taste is not None:
+            logits = logits + self.user_taste(inputs.device_inputs).to(x.dtype)
         return logits.float()
 
     def resolved_attention_backend(self) -> str:
