@@ -157,7 +157,7 @@ class Residency:
             self.offload(u, protect)
         self.drop(u)
         self._counters["device_evictions"] += 1
-        held = self.host.info(u)
+        held = self.host.own_info(u)  # a shared tier is every node's fallback, not this node's holding
         if held is None:
             self._events.gone(u)
         else:

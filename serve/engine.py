@@ -27,7 +27,6 @@ from kvcache import (
     KVCacheCapacityError,
     KVCacheConfig,
     KVCacheManager,
-    TieredHostStorage,
     build_host_storage,
 )
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
@@ -103,7 +102,6 @@ class ScoringEngine:
         self.config = config
         self.fingerprint = fingerprint or model_fingerprint(model)
         self.locations = locations
-        self._memory = storage.tiers[0] if isinstance(storage, TieredHostStorage) else storage
         self.session = InferenceSession(
             model, dataset, kv_cache=cache, model_fingerprint=self.fingerprint,
             offload_between_visits=config.offload_each_visit,
@@ -174,7 +172,7 @@ class ScoringEngine:
             elif not reused[b]:
                 tier = NONE
             else:
-                mine = self._memory.info(u)
+                mine = self.storage.own_info(u)
                 if mine is not None and (mine.start_pos, mine.length) == (int(starts[b]), int(lengths[b])):
                     tier = HOST
                 else:

@@ -68,6 +68,7 @@ class HostKVStorage(ABC):
     """Per-user KV pages off the device; see the module docstring for the contract."""
 
     _layout: PageLayout | None = None
+    shared: bool = False  # other nodes read and write this tier too (Redis)
 
     def bind(self, layout: PageLayout) -> None:
         """Fix the page layout (the manager calls this once). A tier holding pages of another layout
@@ -97,6 +98,11 @@ class HostKVStorage(ABC):
     @abstractmethod
     def info(self, user_id: int) -> HostEntry | None:
         """What is stored for the user, without reading it (and without touching recency)."""
+
+    def own_info(self, user_id: int) -> HostEntry | None:
+        """`info` from the tiers only this node holds (none for a shared tier): where the node itself
+        can serve the user from, what its cache events report."""
+        return None if self.shared else self.info(user_id)
 
     @abstractmethod
     def read(self, user_id: int) -> HostPages | None:

@@ -59,6 +59,7 @@ class FailOpenStorage(HostKVStorage):
         if not 0 <= retry_after_s <= max_retry_after_s:
             raise ValueError(f"need 0 <= retry_after_s <= max_retry_after_s, got {retry_after_s}, {max_retry_after_s}.")
         self.inner = inner
+        self.shared = inner.shared
         self.name = name
         self.timeout_s = timeout_s
         self._retry_after = (retry_after_s, max_retry_after_s)

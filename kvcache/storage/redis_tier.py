@@ -226,6 +226,8 @@ class RedisHostStorage(HostKVStorage):
     processes and nodes may share a namespace.
     """
 
+    shared = True
+
     def __init__(self, url: str, namespace: str, capacity_bytes: int, ttl_seconds: int | None = None,
                  timeout_s: float | None = 0.5) -> None:
         if capacity_bytes < 0:

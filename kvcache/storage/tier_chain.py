@@ -47,6 +47,11 @@ class TieredHostStorage(HostKVStorage):
         return sum_counters(*(tier.counters() for tier in self.tiers))
 
     @property
+    def shared(self) -> bool:  # type: ignore[override]
+        """Only when every tier is: a node's own tier in front makes the chain partly its own."""
+        return all(tier.shared for tier in self.tiers)
+
+    @property
     def capacity_bytes(self) -> int:
         return self.tiers[0].capacity_bytes
 
@@ -61,6 +66,11 @@ class TieredHostStorage(HostKVStorage):
     # ------------------------------------------------------------------ the contract
     def info(self, user_id: int) -> HostEntry | None:
         entries = self._infos(user_id)
+        order = _preference(entries)
+        return entries[order[0]] if order else None
+
+    def own_info(self, user_id: int) -> HostEntry | None:
+        entries = [tier.own_info(user_id) for tier in self.tiers]
         order = _preference(entries)
         return entries[order[0]] if order else None
 

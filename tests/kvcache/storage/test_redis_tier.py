@@ -593,3 +593,24 @@ def test_invariants_hold_when_another_node_extends_a_shared_user(redis_server):
                 k, v = c.read_kv(7, layer)
                 expected_k, expected_v = expected_kv(LAYOUT, 7, 0, 12, layer)
                 assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+
+
+def test_events_report_the_nodes_own_tiers_not_the_shared_one(redis_server):
+    """A user the node's memory tier cannot hold lives on only in Redis after an eviction: that is
+    every node's fallback, so the node reports it gone (the locality index must not send the user
+    back here for a host hit it does not have). A user the memory tier holds is reported on host."""
+    from kvcache import CacheEvent, CacheLocation
+
+    heard = []
+    config = KVCacheConfig(num_layers=LAYOUT.num_layers, num_heads=LAYOUT.num_heads, head_dim=LAYOUT.head_dim,
+                           page_size=LAYOUT.page_size, num_pages=16, host_capacity_bytes=2 * PAGE,
+                           redis_url=redis_server, redis_namespace=unique_namespace())
+    with KVCacheManager(config, event_listener=heard.extend) as mgr:
+        serve(mgr, [1, 2], [0, 0], [6, 12])  # user 2 needs 3 pages: more than the memory tier
+        mgr.offload_kv_cache([1, 2])
+        assert mgr._host.own_info(2) is None and mgr._host.info(2) == HostEntry(0, 12, mgr.get_user_tags([2])[0])
+        assert mgr._host.own_info(1) == mgr._host.info(1)
+        heard.clear()
+        mgr.evict_kv_cache([1, 2])
+        assert heard == [CacheEvent(1, CacheLocation.HOST, 0, 6), CacheEvent(2, CacheLocation.NONE, 0, 0)]
+        assert [int(x) for x in mgr.get_user_kvdata_info([1, 2])[1]] == [6, 12]  # both still reusable
