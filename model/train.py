@@ -60,7 +60,7 @@ class TrainParams:
     video_bias_learning_rate: float = 0.1
     # The user-taste tables (model/user_taste.py) and an L2 on the rows a batch's candidates read.
     taste_learning_rate: float = 0.02
-    taste_l2: float = 1e-2
+    taste_l2: float = 0.1
     # L2 on the per-video rows a batch reads (token video embeddings, video_bias): a video seen once
     # or twice would otherwise memorise its training labels (the holdout loss rises from epoch 2).
     video_l2: float = 0.0
