@@ -282,6 +282,8 @@ def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:
 
 
 # ---- cache geometry shared by a test and the subprocesses it starts ----------------------
+# The tier tests' layout: 2 layers, 1 head, head_dim 2, 4 tokens a page, fp32 -> 128-byte pages.
+TINY_LAYOUT_ARGS = dict(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
 DISK_RESTART_CFG = dict(num_layers=2, num_heads=2, head_dim=4, page_size=4, num_pages=24, host_capacity_bytes=4096)
 
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from helpers import DISK_RESTART_CFG as CFG
-from helpers import subprocess_env
+from helpers import TINY_LAYOUT_ARGS, subprocess_env
 from kvcache import DiskHostStorage, HostEntry, KVCacheConfig, KVCacheManager, PageLayout
 from kvcache.testing import append_batch, expected_kv, new_token_kv, serve, token_kv
 
 HERE = Path(__file__).resolve().parent
-LAYOUT = PageLayout(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
+LAYOUT = PageLayout(**TINY_LAYOUT_ARGS)
 PAGE = LAYOUT.page_nbytes  # 128 bytes
 
 

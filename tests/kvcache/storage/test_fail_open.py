@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 
+from helpers import TINY_LAYOUT_ARGS
 from kvcache import (
     FailOpenStorage,
     HostPages,
@@ -23,7 +24,7 @@ from kvcache import (
 from kvcache.storage import fail_open
 from kvcache.testing import expected_kv, serve
 
-LAYOUT = PageLayout(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
+LAYOUT = PageLayout(**TINY_LAYOUT_ARGS)
 PAGE = LAYOUT.page_nbytes
 
 

@@ -2,9 +2,10 @@
 import pytest
 import torch
 
+from helpers import TINY_LAYOUT_ARGS
 from kvcache import HostEntry, InMemoryHostStorage, LFUPolicy, LRUPolicy, PageLayout
 
-LAYOUT = PageLayout(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
+LAYOUT = PageLayout(**TINY_LAYOUT_ARGS)
 PAGE = LAYOUT.page_nbytes  # 2 * 2 * 4 * 1 * 2 * 4 = 128 bytes
 
 

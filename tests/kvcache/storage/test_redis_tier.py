@@ -11,7 +11,7 @@ import redis
 import torch
 
 from helpers import REPO_ROOT as ROOT
-from helpers import unique_namespace
+from helpers import TINY_LAYOUT_ARGS, unique_namespace
 from kvcache import (
     FailOpenStorage,
     HostEntry,
@@ -26,7 +26,7 @@ from kvcache import (
 from kvcache.storage.redis_tier import RedisHostStorage
 from kvcache.testing import expected_kv, serve
 
-LAYOUT = PageLayout(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
+LAYOUT = PageLayout(**TINY_LAYOUT_ARGS)
 PAGE = LAYOUT.page_nbytes  # 128 bytes
 
 

@@ -3,6 +3,7 @@ KVCacheConfig."""
 import pytest
 import torch
 
+from helpers import TINY_LAYOUT_ARGS
 from kvcache import (
     DiskHostStorage,
     FailOpenStorage,
@@ -17,7 +18,7 @@ from kvcache import (
 )
 from kvcache.testing import append_batch, expected_kv, new_token_kv, serve, token_kv
 
-LAYOUT = PageLayout(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
+LAYOUT = PageLayout(**TINY_LAYOUT_ARGS)
 PAGE = LAYOUT.page_nbytes
 
 
