@@ -1,9 +1,9 @@
 """A small HTTP/1.1 server on asyncio protocols: the router's front.
 
 The router adds a second loopback hop to every visit, so its front is kept as lean as its
-forwarder (serve/forwarder.py): on the project's 2-core machine aiohttp's server cost ~0.35 ms
-more per request than this one (docs/serving.md, "The router's overhead"). The node keeps
-aiohttp, where the model's time dwarfs the server's.
+forwarder (serve/forwarder.py): on the project's 2-core machine the router with aiohttp's server
+added 0.2-0.4 ms more per request than with this one (paired medians, docs/serving.md, "The
+router's overhead"). The node keeps aiohttp, where the model's time dwarfs the server's.
 
 What it speaks: HTTP/1.0 and 1.1 requests with a Content-Length body (or none), keep-alive,
 pipelining (answered in order, one at a time), `Expect: 100-continue`. What it refuses, with a
