@@ -32,15 +32,17 @@ from pathlib import Path
 import numpy as np
 import torch
 from cluster_report import plot, summarize, summarize_repeats, table
+from inference_end2end_example import working_set_pages
 
 from data.dataset import InferenceDataset
 from kvcache import PageLayout
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
-from model.checkpoint import load_checkpoint
+from model.checkpoint import load_checkpoint, model_fingerprint
 from model.inference import InferenceSession
 from model.train import DEFAULT_SPLIT_DATE, date_to_ms
 from serve.launch import Service, start_node, start_router, wait_healthy
 from serve.loadgen import Sent, latency_summary, post, replay
+from serve.locality_index import IndexKeys
 from serve.policies import POLICY_NAMES
 from serve.protocol import ScoreQuery
 from serve.visits import visit_queries
@@ -116,9 +118,7 @@ def ideal_history_tokens(layout, dataset: InferenceDataset, stream: np.ndarray) 
     for i in stream.tolist():
         user, end = int(req.user_id[i]), np.array([req.end[i]])
         start, length = held.get(user, (0, 0))
-        plan = layout.plan(end, np.array([start]), np.array([length]))
-        spans = layout.spans(plan.window_starts, plan.starts, end - plan.starts)
-        out[i] = int(spans.history_lengths[0])
+        out[i] = int(layout.visit_spans(end, np.array([start]), np.array([length])).history_lengths[0])
         window = int(layout.window_start(end)[0])
         held[user] = (window, int(layout.window_tokens(end)[0]))
     return out
@@ -126,16 +126,11 @@ def ideal_history_tokens(layout, dataset: InferenceDataset, stream: np.ndarray) 
 
 def node_memory(model, dataset: InferenceDataset, stream: np.ndarray, args) -> tuple[int, int]:
     """(device pages, host bytes) per node, as shares of the replayed users' working set."""
-    layout, page_size, req = model.layout, model.config.page_size, dataset.requests
-    largest: dict[int, int] = {}
-    for user, end in zip(req.user_id[stream].tolist(), req.end[stream].tolist()):
-        largest[user] = max(largest.get(user, 0), -(-int(layout.window_tokens(np.array([end]))[0]) // page_size))
-    working = sum(largest.values())
     cfg = model.config
-    page_bytes = PageLayout(cfg.num_layers, cfg.num_heads, cfg.head_dim, page_size, torch.float32).page_nbytes
-    window_pages = -(-cfg.max_seq_len // page_size)
-    pages = max(int(working / args.nodes * args.device_share), 2 * window_pages)
-    host_bytes = int(working / args.nodes * args.host_share * page_bytes)
+    working, _ = working_set_pages(model, dataset, stream, cfg.page_size)
+    pages_of = PageLayout(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.page_size, torch.float32)
+    pages = max(int(working / args.nodes * args.device_share), 2 * pages_of.num_pages(cfg.max_seq_len))
+    host_bytes = int(working / args.nodes * args.host_share * pages_of.page_nbytes)
     return pages, host_bytes
 
 
@@ -213,6 +208,7 @@ class Run:
     probe: list[ScoreQuery]  # router overhead
     args: argparse.Namespace
     workdir: Path
+    fingerprint: str  # the model's: the locality index's namespace
 
 
 def run_policy(policy: str, run: Run, fault: bool = False, probe: bool = True) -> tuple[list[Sent], dict]:
@@ -235,7 +231,7 @@ def run_policy(policy: str, run: Run, fault: bool = False, probe: bool = True) -
             if fault:
                 extra["killed_after_s"] = len(stream) / args.rate / 2
                 await asyncio.sleep(extra["killed_after_s"])
-                extra.update(kill_busiest(nodes, redis))
+                extra.update(kill_busiest(nodes, redis, run.fingerprint))
             return await task
 
         sent = asyncio.run(replay_with_fault())
@@ -252,10 +248,10 @@ def run_policy(policy: str, run: Run, fault: bool = False, probe: bool = True) -
     return sent, extra
 
 
-def kill_busiest(nodes: list[Service], redis: LocalRedisServer) -> dict:
+def kill_busiest(nodes: list[Service], redis: LocalRedisServer, fingerprint: str) -> dict:
     """SIGKILL the node the index says holds the most users (mid-replay)."""
-    client = redis.client()
-    held = {n.address: sum(client.hlen(k) for k in client.scan_iter(f"hstu:*:loc:node:{n.address}:users")) for n in nodes}
+    client, keys = redis.client(), IndexKeys(fingerprint)
+    held = {n.address: client.hlen(keys.users(n.address)) for n in nodes}
     victim = max(nodes, key=lambda n: held[n.address])
     victim.kill()
     log.info("killed node %s (it held %d users)", victim.address, held[victim.address])
@@ -314,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             wait_healthy(nodes, timeout_s=600)
             log.info("%d nodes up in %.0f s", len(nodes), time.perf_counter() - started)
-            run = Run(nodes, redis, warm, stream, saturation, probe_queries(dataset, stream), args, workdir)
+            run = Run(nodes, redis, warm, stream, saturation, probe_queries(dataset, stream), args, workdir,
+                      model_fingerprint(model))
             runs: dict[str, list] = {policy: [] for policy in policies}
             for repeat in range(args.repeats):  # the order alternates, so that a drift in the machine's load evens out
                 for policy in (policies if repeat % 2 == 0 else policies[::-1]):

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 
 from serve.loadgen import Sent, latency_summary
+from serve.locality_index import TIERS
 from serve.metrics import histogram_quantile, parse_samples
 
-TIERS = ("device", "host", "shared", "none")
 PARITY_TOLERANCE = 1e-4  # relative to max(1, |logit|), as the end-to-end example
 
 

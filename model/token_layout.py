@@ -93,6 +93,12 @@ class TokenLayout:
         starts = np.where(usable, cached_event_end, windows)
         return VisitPlan(windows, starts, invalidate=(cached_lengths > 0) & ~usable)
 
+    def visit_spans(self, ends: np.ndarray, cached_start_pos: np.ndarray, cached_lengths: np.ndarray) -> TokenSpans:
+        """The token spans of visits ending at `ends` given what the cache holds: `plan`, then `spans`
+        (`expected_cached_lengths`: tokens reused; `history_lengths`: history tokens computed)."""
+        plan = self.plan(ends, cached_start_pos, cached_lengths)
+        return self.spans(plan.window_starts, plan.starts, ends - plan.starts)
+
     # ---- positions ------------------------------------------------------------------
     def spans(self, window_starts: np.ndarray, starts: np.ndarray, num_events: np.ndarray) -> TokenSpans:
         """Token spans for visits computing events [starts, starts + num_events)."""

@@ -183,8 +183,7 @@ class ScoringEngine:
 
     def _reusable(self, ends: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """-> (tokens reused, history tokens computed) of visits ending at `ends` given cached (start, length)."""
-        plan = self._layout.plan(ends, starts, lengths)
-        spans = self._layout.spans(plan.window_starts, plan.starts, ends - plan.starts)
+        spans = self._layout.visit_spans(ends, starts, lengths)
         return spans.expected_cached_lengths, spans.history_lengths
 
     # ------------------------------------------------------------------ lifecycle

@@ -1,8 +1,8 @@
 """The router's requests to one node: HTTP/1.1 POSTs over pooled keep-alive connections.
 
-On the request path of every visit, so it is kept lean: aiohttp's client costs about 0.6 ms
-more per request than this on the project's 2-core machine (the router's HTTP server is still
-aiohttp). It speaks only what our nodes answer: a status line, headers and a Content-Length
+On the request path of every visit, so it is kept lean, like the router's server
+(serve/http_server.py): aiohttp's client cost about 0.6 ms more per request than this on the
+project's 2-core machine. It speaks only what our nodes answer: a status line, headers and a Content-Length
 body. A connection carries one request at a time and goes back to the pool after a complete
 answer (unless the node said `Connection: close`).
 

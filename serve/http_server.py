@@ -26,7 +26,7 @@ import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 
 log = logging.getLogger("serve.http")
@@ -75,17 +75,18 @@ class Routes:
 
     def resolve(self, method: str, path: str) -> tuple[Handler | None, str, Response | None]:
         """-> (handler, path tail, None), or (None, "", the 404 / 405 to answer)."""
-        by_method = self.exact.get(path)
-        tail = ""
+        by_method, tail = self.exact.get(path), ""
         if by_method is None:
-            by_method = {m: h for p, m, h in self.prefixes if path.startswith(p) and len(path) > len(p)}
-            tail = next((path[len(p):] for p, m, _ in self.prefixes if m in by_method and path.startswith(p)), "")
+            by_method = {}
+            for prefix, m, handler in self.prefixes:
+                if path.startswith(prefix) and len(path) > len(prefix) and m not in by_method:
+                    by_method[m], tail = handler, path[len(prefix):]
         if not by_method:
             return None, "", error_response(404, "not_found", f"no route for {path}")
         if method not in by_method:
             allowed = ", ".join(sorted(by_method))
-            return None, "", Response(405, json.dumps({"error": {"code": "method_not_allowed", "message":
-                                      f"{method} {path}: allowed {allowed}"}}).encode(), headers=(("Allow", allowed),))
+            refusal = error_response(405, "method_not_allowed", f"{method} {path}: allowed {allowed}")
+            return None, "", replace(refusal, headers=(("Allow", allowed),))
         return by_method[method], tail, None
 
 

@@ -58,7 +58,6 @@ class IndexPublisher:
         self._resync = True  # the first write replaces whatever a previous process of this node left
         self._thread: threading.Thread | None = None
         self.failures = 0  # writes that failed (Redis down or slow)
-        self.writes = 0
 
     def listener(self, events: list[CacheEvent]) -> None:
         """The KV cache's event listener: enqueue only (runs under the cache's lock)."""
@@ -143,7 +142,6 @@ class IndexPublisher:
             if self._resync:
                 self.writer.replace(self._holdings)
                 self._resync = False
-            self.writes += 1
             return True
         except redis.RedisError as err:
             self.failures += 1

@@ -36,6 +36,7 @@ DEVICE = "device"
 HOST = "host"
 SHARED = "shared"
 NONE = "none"
+TIERS = (DEVICE, HOST, SHARED, NONE)  # where a visit's reused K/V came from, best first
 NODE_TIERS = (DEVICE, HOST)  # what a node publishes; the shared tier belongs to every node
 
 
@@ -172,15 +173,6 @@ class LocalityIndexReader:
             if holding is not None:
                 out[node_id] = holding
         return out
-
-    async def live_nodes(self) -> dict[str, dict[str, str]]:
-        """{node id: its heartbeat fields} of every node whose heartbeat has not expired."""
-        members = sorted(m.decode() for m in await self.client.smembers(self.keys.nodes))
-        pipe = self.client.pipeline(transaction=False)
-        for node_id in members:
-            pipe.hgetall(self.keys.node(node_id))
-        infos = await pipe.execute()
-        return {n: {k.decode(): v.decode() for k, v in info.items()} for n, info in zip(members, infos) if info}
 
     async def node_holdings(self, node_id: str) -> dict[int, Holding]:
         """Everything one node holds (user -> Holding)."""

@@ -59,10 +59,6 @@ class Counter(_Metric):
         with self._lock:
             self._values[key] = self._values.get(key, 0.0) + amount
 
-    def value(self, **labels: object) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
-
     def samples(self) -> Iterable[str]:
         with self._lock:
             items = sorted(self._values.items())
@@ -106,11 +102,6 @@ class Histogram(_Metric):
                     series[i] += 1
             series[-2] += 1
             series[-1] += value
-
-    def count(self, **labels: object) -> int:
-        with self._lock:
-            series = self._series.get(self._key(labels))
-            return int(series[-2]) if series else 0
 
     def samples(self) -> Iterable[str]:
         with self._lock:

@@ -26,11 +26,11 @@ from aiohttp import web
 
 from serve.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
 from serve.http_app import serve_until_signal
+from serve.locality_index import TIERS
 from serve.metrics import BATCH_SIZE_BUCKETS, CONTENT_TYPE, LATENCY_BUCKETS_S, Registry
 from serve.protocol import RequestError, ScoredVisit, ScoreQuery, parse_score_request
 
 log = logging.getLogger("serve.node")
-TIERS = ("device", "host", "shared", "none")
 
 
 class NodeMetrics:

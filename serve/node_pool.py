@@ -27,7 +27,6 @@ class NodeState:
     up: bool = False
     in_flight: int = 0
     last_error: str = ""
-    fingerprint: str = ""
 
     @property
     def url(self) -> str:
@@ -72,7 +71,6 @@ class NodePool:
             self.mark_down(node, f"serves model {fingerprint[:12]}, the pool serves {self.fingerprint[:12]}")
             return
         self.fingerprint = self.fingerprint or fingerprint
-        node.fingerprint = fingerprint
         node.node_id = str(health.get("node_id") or node.address)
         if not node.up:
             log.info("node %s (%s) is up", node.node_id, node.address)

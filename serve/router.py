@@ -104,7 +104,7 @@ class Router:
             if not live:
                 reason = "no node is up" if not tried else f"every node failed ({', '.join(sorted(tried))})"
                 return self._answer_error(RequestError(503, "no_node_available", reason))
-            node = await self._choose(query.user_id, live)
+            node, _ = await self._choose(query.user_id, live)
             tried.add(node.node_id)
             sent = time.perf_counter()
             node.in_flight += 1
@@ -118,8 +118,9 @@ class Router:
             finally:
                 node.in_flight -= 1
             upstream = time.perf_counter() - sent
-            if status == 503 and _error_code(payload) in RETRY_ELSEWHERE:
-                if _error_code(payload) == "shutting_down":
+            code = _error_code(payload) if status == 503 else ""
+            if code in RETRY_ELSEWHERE:
+                if code == "shutting_down":
                     self.pool.mark_down(node, "shutting down")
                 self.metrics.failovers.inc(node=node.address)
                 continue
@@ -147,19 +148,18 @@ class Router:
         live = self.pool.live()
         if not live:
             return Response.json({"node": None, "nodes": {}}, status=503)
-        user_id = int(text)
-        holdings = await self._lookup(user_id, live) if self.policy.uses_index else {}
-        chosen = self.policy.choose(user_id, [NodeView(n.node_id, n.in_flight, holdings.get(n.node_id)) for n in live])
+        chosen, holdings = await self._choose(int(text), live)
         nodes = {n.node_id: {"in_flight": n.in_flight, "holding": holdings[n.node_id]._asdict()
                              if n.node_id in holdings else None} for n in live}
-        return Response.json({"policy": self.policy.name, "node": chosen, "nodes": nodes,
+        return Response.json({"policy": self.policy.name, "node": chosen.node_id, "nodes": nodes,
                               "index_mirror_synced": self._mirror is not None and self._mirror.synced})
 
     # ------------------------------------------------------------------ routing
-    async def _choose(self, user_id: int, live: list[NodeState]) -> NodeState:
+    async def _choose(self, user_id: int, live: list[NodeState]) -> tuple[NodeState, dict[str, Holding]]:
+        """-> (the node the policy picks among `live`, what the index says each of them holds)."""
         holdings = await self._lookup(user_id, live) if self.policy.uses_index else {}
         views = [NodeView(n.node_id, n.in_flight, holdings.get(n.node_id)) for n in live]
-        return self.pool.by_id(self.policy.choose(user_id, views))
+        return self.pool.by_id(self.policy.choose(user_id, views)), holdings
 
     async def _lookup(self, user_id: int, live: list[NodeState]) -> dict[str, Holding]:
         """What the index says each live node holds of the user: from the mirror when it is in sync,
