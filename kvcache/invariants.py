@@ -5,7 +5,7 @@ from .residency import Residency
 
 
 def check_invariants(residency: Residency) -> None:
-    """Assert that pages, residents, the policy and the host tier agree (the manager's lock held).
+    """Assert that pages, residents, the policy and what was synced to the host tier agree (the manager's lock held).
 
     Every page is owned once or free; every resident user is in the policy; a user in flight
     holds at least its committed pages, any other exactly them; what this manager last wrote to

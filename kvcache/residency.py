@@ -130,7 +130,13 @@ class Residency:
             if hp is None or hp.entry != h:
                 continue  # lost or changed meanwhile: the next prepare finds out and re-plans
             moves.append(Onload(u, hp, self.pool.alloc(self.layout.num_pages(hp.length))))
-        self.onload(moves)
+        try:
+            self.onload(moves)
+        except BaseException:  # the users not admitted yet own none of their pages
+            for move in moves:
+                if move.user_id not in self.users:
+                    self.pool.free(move.pages)
+            raise
         return len(moves)
 
     def evictable_pages(self, exclude: Collection[int]) -> int:

@@ -63,7 +63,11 @@ class Transactions:
             extra = layout.num_pages(cached + new) - held  # the last partial page is filled first
             new_pages.append(fresh[taken : taken + extra])
             taken += extra
-        residency.copy_onloads(onloads)
+        try:
+            residency.copy_onloads(onloads)
+        except BaseException:  # e.g. out of memory for the staging buffer: nobody owns `fresh` yet
+            residency.pool.free(fresh)
+            raise
         onloaded = {move.user_id: move for move in onloads}
         kept, created, cached_start, cached_len, page_lists = [], [], [], [], []
         for u, start, extra in zip(plan.user_ids, plan.start_pos, new_pages):

@@ -178,15 +178,23 @@ def shuffled_batches(dataset: InferenceDataset, indices: np.ndarray, batch_size:
     users = dataset.requests.user_id
     batches: list[list[int]] = []
     members: list[set[int]] = []
+    # A batch that is full, or holds the user, stays so: each user's search resumes where its last
+    # one ended, and every search skips the leading full batches (first-fit, in linear-ish time).
+    resume: dict[int, int] = {}
+    first_open = 0
     for index in indices[rng.permutation(len(indices))].tolist():
         user = int(users[index])
-        target = next((b for b, seen in enumerate(members) if len(batches[b]) < batch_size and user not in seen), None)
-        if target is None:
-            target = len(batches)
+        target = max(resume.get(user, 0), first_open)
+        while target < len(batches) and (len(batches[target]) >= batch_size or user in members[target]):
+            target += 1
+        if target == len(batches):
             batches.append([])
             members.append(set())
         batches[target].append(index)
         members[target].add(user)
+        resume[user] = target + 1
+        while first_open < len(batches) and len(batches[first_open]) >= batch_size:
+            first_open += 1
     return [np.asarray(batches[b], dtype=np.int64) for b in rng.permutation(len(batches))]
 
 
@@ -246,7 +254,8 @@ def train(
             candidates += len(batch.candidate_video_ids)
             requests += batch.batch_size
             step_seconds += time.perf_counter() - step_started
-            loss_ema = bce.item() if math.isnan(loss_ema) else 0.95 * loss_ema + 0.05 * bce.item()
+            loss = bce.item()  # the step's one read-back
+            loss_ema = loss if math.isnan(loss_ema) else 0.95 * loss_ema + 0.05 * loss
             bar.set_postfix(loss=f"{loss_ema:.4f}", cand_per_s=f"{candidates / step_seconds:.0f}")
             if params.max_train_seconds and time.perf_counter() - started > params.max_train_seconds:
                 out_of_time = True

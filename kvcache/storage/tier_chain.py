@@ -65,14 +65,10 @@ class TieredHostStorage(HostKVStorage):
 
     # ------------------------------------------------------------------ the contract
     def info(self, user_id: int) -> HostEntry | None:
-        entries = self._infos(user_id)
-        order = _preference(entries)
-        return entries[order[0]] if order else None
+        return _best(self._infos(user_id))
 
     def own_info(self, user_id: int) -> HostEntry | None:
-        entries = [tier.own_info(user_id) for tier in self.tiers]
-        order = _preference(entries)
-        return entries[order[0]] if order else None
+        return _best([tier.own_info(user_id) for tier in self.tiers])
 
     def read(self, user_id: int) -> HostPages | None:
         entries = self._infos(user_id)
@@ -125,6 +121,11 @@ class TieredHostStorage(HostKVStorage):
 
     def _infos(self, user_id: int) -> list[HostEntry | None]:
         return [tier.info(user_id) for tier in self.tiers]
+
+
+def _best(entries: Sequence[HostEntry | None]) -> HostEntry | None:
+    order = _preference(entries)
+    return entries[order[0]] if order else None
 
 
 def _preference(entries: Sequence[HostEntry | None]) -> list[int]:

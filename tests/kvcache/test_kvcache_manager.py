@@ -558,3 +558,30 @@ def test_a_failing_event_listener_does_not_break_the_cache():
     mgr = KVCacheManager(_config(), event_listener=broken)
     serve(mgr, [1], [0], [4])
     _assert_holds(mgr, 1, 0, 4)
+
+
+def test_a_failed_onload_leaks_no_device_pages(monkeypatch):
+    """An onload copy that fails (e.g. out of memory for its staging buffer) refuses the prepare or
+    the prefetch and gives back every page it took: the pool and the bookkeeping are as before."""
+    from kvcache.residency import Residency
+
+    mgr = KVCacheManager(_config(num_pages=16))
+    serve(mgr, [1, 2], [0, 0], [6, 5])
+    mgr.offload_kv_cache([1, 2])
+    mgr.evict_kv_cache([1, 2])
+    free_before = mgr.stats().pages_total - mgr.stats().pages_in_use
+
+    def failing_copy(self, moves):
+        raise MemoryError("no room for the staging buffer")
+
+    monkeypatch.setattr(Residency, "copy_onloads", failing_copy)
+    with pytest.raises(MemoryError):
+        mgr.prepare_kv_cache([1], [6], [2])
+    with pytest.raises(MemoryError):
+        mgr.prefetch([2])
+    stats = mgr.stats()
+    assert stats.pages_total - stats.pages_in_use == free_before and stats.users_on_device == 0
+    mgr.check_invariants()
+    monkeypatch.undo()
+    serve(mgr, [1], [6], [2])  # the cache still serves the user, from its host entry
+    assert [int(x) for x in mgr.get_user_kvdata_info([1])[1]] == [8]
