@@ -24,7 +24,7 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import PRESET_NAMES
 from model.evaluation import score_requests
 from model.quality import compare, quality_split
-from model.train import TrainParams, train
+from model.train import TrainParams, date_to_ms, train
 
 MODEL = "HSTU"
 CLICK_MARGIN_TARGET = 0.02  # the model's click AUC must exceed the best baseline's by this much
@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = _parse_args(argv)
     try:
-        dataset = InferenceDataset(args.data_dir)
+        # Video counters frozen at the split: like the baselines, the model reads no other user's
+        # event from the evaluation period (only each user's own history, as serving does).
+        dataset = InferenceDataset(args.data_dir, video_counters_until_ms=date_to_ms(args.split_date))
         split = quality_split(dataset, args.split_date, max_eval_requests=args.max_eval_requests)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

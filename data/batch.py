@@ -35,6 +35,9 @@ class VisitBatch:
     candidate_lengths: np.ndarray  # [B] int64
     candidate_video_ids: np.ndarray  # [M] int64
     labels: np.ndarray | None  # [M, num_tasks] float32 (bit t of the candidate's action); None when unknown
+    # [M, 3, 3] int64: the candidates' counting features, (user, video, user x video) x (shown,
+    # clicks, long views) before the visit (data/candidate_counters.py); None = none known (all 0)
+    candidate_counters: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:

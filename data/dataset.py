@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from data import jagged, output, schema
 from data.batch import VisitBatch
+from data.candidate_counters import CandidateCounters
 from data.manifest import Manifest
 from data.requests import RequestTable
 
@@ -47,10 +48,14 @@ class UnknownUserError(ValueError):
 
 
 class InferenceDataset:
-    def __init__(self, root: Path | str):
+    def __init__(self, root: Path | str, video_counters_until_ms: int | None = None):
         """Load `root` (an output of preprocessor_inference.py; see data.output.readable_output
         for a run killed while replacing it). Raises FileNotFoundError or ValueError naming the
-        file and the problem when it is missing or inconsistent."""
+        file and the problem when it is missing or inconsistent.
+
+        Batches carry their candidates' counting features (data/candidate_counters.py); the video
+        counters are those as of the request time, or frozen at `video_counters_until_ms` (an
+        evaluation that must not read other users' events after its split)."""
         requested = Path(root)
         source = output.readable_output(requested)
         if source is None:
@@ -80,6 +85,8 @@ class InferenceDataset:
 
         self.requests = RequestTable.from_arrow(requests)
         self._request_user_row = np.searchsorted(self.user_ids, self.requests.user_id)  # [R]
+        self._counters: CandidateCounters | None = None  # built on first use
+        self.video_counters_until_ms = video_counters_until_ms
         self._validate()
 
     # ------------------------------------------------------------ sizes
@@ -269,7 +276,14 @@ class InferenceDataset:
             candidate_lengths=num_candidates,
             candidate_video_ids=candidate_video_ids,
             labels=labels,  # [M, num_tasks]
+            candidate_counters=self.counters().for_candidates(row, end, request_times, num_candidates, candidate_video_ids),
         )
+
+    def counters(self) -> CandidateCounters:
+        """The candidates' counting features (user, video, user x video) over every event (built once)."""
+        if self._counters is None:
+            self._counters = CandidateCounters.build(self.event_arrays(), self.video_counters_until_ms)
+        return self._counters
 
     # ------------------------------------------------------------ loading helpers
     def _file(self, name: str) -> Path:

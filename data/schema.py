@@ -109,6 +109,20 @@ def action_labels(weights: np.ndarray) -> np.ndarray:
     return ((np.asarray(weights, dtype=np.int64)[:, None] >> bits) & 1).astype(np.float32)
 
 
+# The actions the serving counters count besides exposures (data/candidate_counters.py).
+COUNTED_TASKS = ("click", "long_view")
+
+
+def counted_prefix_sums(weights: np.ndarray) -> np.ndarray:
+    """[N] action_weights -> [N + 1, len(COUNTED_TASKS)] int32: row i counts each counted action
+    among the first i events (so events [a, b) hold row b - row a)."""
+    bits = np.array([1 << TASKS.index(t) for t in COUNTED_TASKS], dtype=np.int64)
+    positives = (np.asarray(weights, dtype=np.int64)[:, None] & bits) > 0
+    out = np.zeros((len(positives) + 1, len(COUNTED_TASKS)), dtype=np.int32)
+    np.cumsum(positives, axis=0, dtype=np.int32, out=out[1:])
+    return out
+
+
 # ---------------------------------------------------------------- user features
 # The full 31-column header of user_features_1k.csv.
 USER_FEATURE_COLUMNS = (

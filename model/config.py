@@ -33,6 +33,9 @@ class HSTUConfig:
     # this many rows, 0 = no term; its user and video factors have user_factor_dim entries.
     user_hash_size: int = 0
     user_factor_dim: int = 16
+    # The candidate-only counter term (model/counter_features.py): evidence buckets per counter
+    # family (log2 of the count, capped at this many - 1); 0 = no term.
+    counter_buckets: int = 0
     # Serving
     page_size: int = 32  # KV cache page size (tokens) suggested for this model
 
@@ -49,6 +52,7 @@ class HSTUConfig:
             "video_hash_size must be >= 1": self.video_hash_size >= 1,
             "user_hash_size must be >= 0": self.user_hash_size >= 0,
             "user_factor_dim must be >= 1": self.user_factor_dim >= 1,
+            "counter_buckets must be >= 0": self.counter_buckets >= 0,
             "dropout must be in [0, 1)": 0.0 <= self.dropout < 1.0,
             "user feature cardinalities must be >= 1": all(c >= 1 for c in self.user_feature_cardinalities),
         }
@@ -87,17 +91,18 @@ class HSTUConfig:
 
 _PRESETS: dict[str, HSTUConfig] = {
     # The published KuaiRand-1K HSTU shape: 3 layers, hidden 512, 4 heads x 128.
-    "kuairand-1k": HSTUConfig(user_hash_size=10_007),
+    "kuairand-1k": HSTUConfig(user_hash_size=10_007, counter_buckets=8),
     # Small enough to train in minutes on 2 CPU cores, large enough that compute dominates.
     "demo": HSTUConfig(
         hidden_dim=256, num_heads=4, head_dim=64, max_seq_len=2048, window_stride=512,
         video_hash_size=200_003, mlp_hidden_dim=256, position_table_size=4096, user_hash_size=10_007,
+        counter_buckets=8,
     ),
     # Unit tests: tiny and fast.
     "tiny": HSTUConfig(
         num_layers=2, hidden_dim=32, num_heads=2, head_dim=16, max_seq_len=256, window_stride=64,
         video_hash_size=1009, num_time_gap_buckets=16, position_table_size=512,
-        mlp_hidden_dim=32, page_size=4, user_hash_size=101,
+        mlp_hidden_dim=32, page_size=4, user_hash_size=101, counter_buckets=8,
     ),
 }
 

@@ -75,6 +75,7 @@ class TokenEmbedder(nn.Module):
             "prefix_rows": features.prefix_rows.reshape(-1),
             "candidate_video_ids": features.candidate_video_ids,
             "candidate_user_ids": features.candidate_user_ids,
+            **features.candidate_counters,
         }
 
     def candidate_bias(self, device_inputs: Mapping[str, Tensor]) -> Tensor:

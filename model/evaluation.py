@@ -100,8 +100,8 @@ def _cached_session(model: HSTURecommender, dataset: InferenceDataset, batch_siz
 
 @dataclass
 class EarlyStopping:
-    """Keeps the parameters of the epoch with the lowest holdout loss; says stop after `patience`
-    epochs without a new best."""
+    """Keeps the parameters of the epoch with the lowest holdout score (a loss, or 1 - an AUC); says
+    stop after `patience` epochs without a new best."""
 
     patience: int
     best_loss: float = float("inf")
@@ -114,7 +114,7 @@ class EarlyStopping:
             raise ValueError(f"patience must be >= 1, got {self.patience}")
 
     def update(self, epoch: int, holdout_loss: float, model: torch.nn.Module) -> bool:
-        """Record one epoch's holdout loss; True when training should stop."""
+        """Record one epoch's holdout score (lower is better); True when training should stop."""
         if holdout_loss < self.best_loss:
             self.best_loss, self.best_epoch, self.epochs_without_improvement = holdout_loss, epoch, 0
             self.best_state = copy.deepcopy(model.state_dict())

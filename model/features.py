@@ -24,6 +24,7 @@ from data.batch import VisitBatch
 from data.jagged import offsets, row_ids_and_ranks
 from model.batch_shape import BatchShape
 from model.config import UNKNOWN_ACTION_ID, HSTUConfig
+from model.counter_features import counter_inputs
 from model.token_layout import TokenLayout, TokenSpans
 
 TOKEN_FEATURES = ("video_id", "action", "time_gap", "hour", "position")
@@ -53,6 +54,7 @@ class TokenFeatures:
     prefix_rows: np.ndarray  # [P (+ pad), C] rows of their prefix tokens in x
     candidate_video_ids: np.ndarray  # [shape.candidate_rows] hashed video id of each candidate row (0: padding)
     candidate_user_ids: np.ndarray  # [shape.candidate_rows] hashed user id of each candidate row (0: padding)
+    candidate_counters: dict[str, np.ndarray]  # the counter term's arrays (model/counter_features.py), candidate rows
     shape: BatchShape  # x has shape.num_rows rows (+ the scratch row)
 
 
@@ -104,10 +106,12 @@ def token_features(
     candidate_video_ids[:n_cands] = ids["video_id"][1]
     candidate_user_ids = np.zeros(shape.candidate_rows, dtype=np.int64)
     candidate_user_ids[:n_cands] = np.remainder(batch.user_ids[cand_rows], max(config.user_hash_size, 1))
+    candidate_counters = counter_inputs(batch.candidate_counters, shape.candidate_rows, config.counter_buckets)
     if shape != exact:  # fixed lengths: a bucket's token count bounds N + M, its user count P
         pad_tokens, pad_users = shape.num_rows - len(token_rows), shape.users - len(opening)
         token_ids = {name: np.pad(ids, (0, pad_tokens)) for name, ids in token_ids.items()}
         token_rows = np.pad(token_rows, (0, pad_tokens), constant_values=shape.scratch_row)
         prefix_ids = np.pad(prefix_ids, ((0, pad_users), (0, 0)))
         prefix_rows = np.pad(prefix_rows, ((0, pad_users), (0, 0)), constant_values=shape.scratch_row)
-    return TokenFeatures(token_ids, token_rows, prefix_ids, prefix_rows, candidate_video_ids, candidate_user_ids, shape)
+    return TokenFeatures(token_ids, token_rows, prefix_ids, prefix_rows, candidate_video_ids, candidate_user_ids,
+                         candidate_counters, shape)

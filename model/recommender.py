@@ -22,6 +22,7 @@ from model import attention
 from model.attention import BatchAttention, plan_attention, triton_attention
 from model.batch_shape import BatchShape
 from model.config import NUM_ACTION_IDS, HSTUConfig
+from model.counter_features import CounterFeatures
 from model.embeddings import TokenEmbedder
 from model.features import TokenFeatures, exact_shape, token_features
 from model.hstu import HSTULayer
@@ -65,6 +66,7 @@ class HSTURecommender(nn.Module):
         )
         # Candidate-only logit terms beside the head: nothing cached depends on them.
         self.user_taste = UserTaste(config, device=device) if config.user_hash_size else None
+        self.counter_features = CounterFeatures(config, device=device) if config.counter_buckets else None
         self._staging: dict[torch.device, DeviceStaging] = {}
         # "auto": the Triton kernel on CUDA (when triton imports), the blocked torch path elsewhere.
         self.attention_backend = "auto"
@@ -126,6 +128,8 @@ class HSTURecommender(nn.Module):
         logits = self.head(self.output_norm(x)) + self.embedder.candidate_bias(inputs.device_inputs).to(x.dtype)
         if self.user_taste is not None:
             logits = logits + self.user_taste(inputs.device_inputs).to(x.dtype)
+        if self.counter_features is not None:
+            logits = logits + self.counter_features(inputs.device_inputs).to(x.dtype)
         return logits.float()
 
     def resolved_attention_backend(self) -> str:

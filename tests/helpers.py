@@ -167,7 +167,26 @@ def make_batch(histories: dict[int, History], visits: list[Visit]) -> VisitBatch
         candidate_lengths=np.array([len(v.candidates) for v in visits], dtype=np.int64),
         candidate_video_ids=cat([v.candidates for v in visits]),
         labels=cat(labels, np.float32).reshape(-1, NUM_TASKS),
+        candidate_counters=cat([plain_counters(histories, v.user_id, v.end, t, v.candidates)
+                                for v, t in zip(visits, request_times)]).reshape(-1, 3, 3),
     )
+
+
+def plain_counters(histories: dict[int, History], user: int, end: int, request_time_ms: int,
+                   candidates: np.ndarray) -> np.ndarray:
+    """[m, 3, 3] the candidates' counting features (data/candidate_counters.py), counted plainly:
+    (user, video, user x video) x (shown, clicks, long views)."""
+    def counts(actions: np.ndarray) -> list[int]:
+        return [len(actions), int(np.sum(actions & 1 > 0)), int(np.sum(actions & (1 << 6) > 0))]
+
+    own = histories[user]
+    videos = np.concatenate([h.video_ids for h in histories.values()])
+    actions = np.concatenate([h.action_weights for h in histories.values()])
+    times = np.concatenate([h.timestamps_ms for h in histories.values()])
+    rows = [[counts(own.action_weights[:end]),
+             counts(actions[(videos == c) & (times < request_time_ms)]),
+             counts(own.action_weights[:end][own.video_ids[:end] == c])] for c in candidates]
+    return np.array(rows, dtype=np.int64).reshape(-1, 3, 3)
 
 
 def serve(model, kv_cache, histories: dict[int, History], visits: list[Visit], forward=None) -> torch.Tensor:
@@ -278,6 +297,9 @@ def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:
         for table in model.embedder.collection.embeddings.values():
             table.weight.normal_(std=0.5)
         model.embedder.video_bias.weight.normal_(std=0.5)
+        if model.counter_features is not None:
+            for weight in model.counter_features.parameters():
+                weight.normal_(std=0.3)
     return model
 
 

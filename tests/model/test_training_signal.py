@@ -138,14 +138,20 @@ def test_early_stopping_keeps_the_best_epoch():
     assert torch.all(model.weight == 1.0)
     with pytest.raises(ValueError, match="patience"):
         EarlyStopping(patience=0)
+    with pytest.raises(ValueError, match="select_on must be one of click_auc, loss"):
+        TrainParams(select_on="auc")
 
 
-def test_trainer_reports_epochs_throughput_and_keeps_the_best(dataset):
-    params = TrainParams(preset="tiny", epochs=3, patience=1, batch_size=8, seed=0)
+@pytest.mark.parametrize("select_on", ["loss", "click_auc"])
+def test_trainer_reports_epochs_throughput_and_keeps_the_best(dataset, select_on):
+    params = TrainParams(preset="tiny", epochs=3, patience=1, batch_size=8, seed=0, select_on=select_on)
     model, report = train(dataset, params)
     assert 1 <= len(report.epochs) <= 3 and report.steps > 0
     assert report.candidates_per_second > 0 and report.requests_per_second > 0
-    best = min(report.epochs, key=lambda e: e.holdout_loss)
+    if select_on == "loss":
+        best = min(report.epochs, key=lambda e: e.holdout_loss)
+    else:
+        best = max(report.epochs, key=lambda e: e.holdout_auc["click"])
     assert report.best_epoch == best.epoch and report.holdout_auc == best.holdout_auc
     assert report.stopped_early == (len(report.epochs) < 3)
     _, holdout = split_requests(dataset, params)

@@ -1,0 +1,54 @@
+"""The counting features of a batch's candidates: what was logged before the visit, by whom, of what.
+
+    counters = CandidateCounters.build(dataset.event_arrays(), video_until_ms=None)
+    counts = counters.for_candidates(rows, ends, request_times_ms, candidate_lengths, candidate_video_ids)
+    counts.shape == (M, len(FAMILIES), 3)       # family x (shown, clicks, long views)
+
+    user        the user's own events before the visit (their whole history, not only the window)
+    video       every user's events of the candidate's video before the request time
+                (data/video_counters.py; frozen at `video_until_ms` when given)
+    user_video  the user's earlier events of this very video (data/prior_exposures.py)
+
+A production ranker reads such counters from a feature store; here they come from the log
+itself, exact at each request, and never include the visit's own events (strictly before its
+history end / request time), so a training candidate cannot see its own label through them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from data.prior_exposures import PriorExposures
+from data.schema import counted_prefix_sums
+from data.video_counters import VideoCounters
+
+FAMILIES = ("user", "video", "user_video")
+
+
+@dataclass(frozen=True)
+class CandidateCounters:
+    user_offsets: np.ndarray  # [U + 1] user row r's events are [user_offsets[r], user_offsets[r + 1])
+    user_positives_before: np.ndarray  # [E + 1, len(COUNTED_TASKS)] int32 prefix sums over the flat events
+    video: VideoCounters
+    user_video: PriorExposures
+
+    @classmethod
+    def build(cls, events, video_until_ms: int | None = None) -> CandidateCounters:
+        """`events`: a dataset's `EventArrays`."""
+        return cls(events.offsets, counted_prefix_sums(events.action_weights),
+                   VideoCounters.build(events, video_until_ms), PriorExposures.build(events))
+
+    def for_candidates(self, rows: np.ndarray, ends: np.ndarray, request_times_ms: np.ndarray,
+                       candidate_lengths: np.ndarray, candidate_video_ids: np.ndarray) -> np.ndarray:
+        """-> [M, len(FAMILIES), 3] int64 (shown, clicks, long views) per family.
+
+        rows [B] user rows, ends [B] history ends, request_times_ms [B], candidate_lengths [B],
+        candidate_video_ids [M]."""
+        lengths = np.asarray(candidate_lengths, dtype=np.int64)
+        first, last = self.user_offsets[rows], self.user_offsets[rows] + np.asarray(ends, dtype=np.int64)
+        user = np.concatenate([(last - first)[:, None],
+                               (self.user_positives_before[last] - self.user_positives_before[first]).astype(np.int64)], 1)
+        video = self.video.counts(candidate_video_ids, np.repeat(request_times_ms, lengths))
+        pair = self.user_video.counts(rows, ends, lengths, candidate_video_ids)
+        return np.stack([np.repeat(user, lengths, axis=0), video, pair], axis=1)
