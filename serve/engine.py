@@ -221,6 +221,7 @@ def open_engine(config: EngineConfig) -> ScoringEngine:
         )
     fingerprint = model_fingerprint(model)
     cfg = model.config
+    dataset.counters()  # every batch carries the counting features: build their indexes now, not on a request
     page_size = config.page_size or cfg.page_size
     window_pages = -(-cfg.max_seq_len // page_size)
     if config.kv_pages < window_pages:
