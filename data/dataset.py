@@ -56,6 +56,12 @@ class InferenceDataset:
         Batches carry their candidates' counting features (data/candidate_counters.py); the video
         counters are those as of the request time, or frozen at `video_counters_until_ms` (an
         evaluation that must not read other users' events after its split)."""
+        if video_counters_until_ms is not None and not (
+            isinstance(video_counters_until_ms, (int, np.integer))
+            and schema.TIME_MS_RANGE[0] <= video_counters_until_ms <= schema.TIME_MS_RANGE[1]
+        ):
+            raise ValueError(f"video_counters_until_ms must be epoch milliseconds in {schema.TIME_MS_RANGE_TEXT}, "
+                             f"got {video_counters_until_ms!r}")
         requested = Path(root)
         source = output.readable_output(requested)
         if source is None:
@@ -183,14 +189,8 @@ class InferenceDataset:
         """
         rows = self.user_rows(user_ids)
         times = np.asarray(times_ms, dtype=np.int64).reshape(-1)
-        lo, hi = self._offsets[rows].copy(), self._offsets[rows + 1].copy()
-        while np.any(lo < hi):
-            active = lo < hi
-            mid = (lo + hi) // 2
-            before = active & (self._timestamps[np.minimum(mid, len(self._timestamps) - 1)] < times)
-            lo = np.where(before, mid + 1, lo)
-            hi = np.where(active & ~before, mid, hi)
-        return lo - self._offsets[rows]
+        first_not_before = jagged.searchsorted_in_runs(self._timestamps, self._offsets[rows], self._offsets[rows + 1], times)
+        return first_not_before - self._offsets[rows]
 
     # ------------------------------------------------------------ batches
     def make_batch(self, indices: np.ndarray, starts: np.ndarray, window_starts: np.ndarray) -> VisitBatch:

@@ -1,4 +1,5 @@
-"""Jagged bookkeeping: the one place that turns per-row lengths into offsets and index ranges.
+"""Jagged bookkeeping: the one place that turns per-row lengths into offsets and index ranges
+(and finds ids in a sorted id array, which the per-id indexes built on these arrays share).
 
 Host side (numpy) for everything planned per batch before the device sees it; the device
 side uses fbgemm's `asynchronous_complete_cumsum` (CPU and CUDA kernels, no host sync).
@@ -35,3 +36,26 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 
     return torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.to(torch.int64))
+
+
+def sorted_lookup(sorted_ids: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """-> (row of each id in ascending `sorted_ids` (clipped to a valid row), whether it is there)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if len(sorted_ids) == 0:
+        return np.zeros(len(ids), dtype=np.int64), np.zeros(len(ids), dtype=bool)
+    row = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
+    return row.astype(np.int64), sorted_ids[row] == ids
+
+
+def searchsorted_in_runs(values: np.ndarray, lo: np.ndarray, hi: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """[B] first index i in [lo[b], hi[b]) with values[i] >= targets[b] (hi[b] if none): a binary
+    search inside each run of `values` (ascending within a run), all runs at once."""
+    lo, hi = np.array(lo, dtype=np.int64), np.array(hi, dtype=np.int64)
+    last = max(len(values) - 1, 0)
+    while np.any(lo < hi):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        before = active & (values[np.minimum(mid, last)] < targets)
+        lo = np.where(before, mid + 1, lo)
+        hi = np.where(active & ~before, mid, hi)
+    return lo

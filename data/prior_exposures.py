@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from data.jagged import sorted_lookup
 from data.schema import counted_prefix_sums
 
 
@@ -31,13 +32,13 @@ class PriorExposures:
     def build(cls, events) -> PriorExposures:
         """`events`: a dataset's `EventArrays` (flat per-user event arrays and offsets)."""
         lengths = np.diff(events.offsets)
-        rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-        positions = np.arange(len(events.video_ids), dtype=np.int64) - np.repeat(events.offsets[:-1], lengths)
         videos, video_rank = np.unique(events.video_ids, return_inverse=True)
         max_position = int(lengths.max(initial=0))
         if len(lengths) * (len(videos) + 1) * (max_position + 2) >= 2**62:
             raise ValueError(f"PriorExposures: {len(lengths)} users x {len(videos)} videos x {max_position} "
                              "positions do not fit one int64 key")
+        rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+        positions = np.arange(len(events.video_ids), dtype=np.int64) - np.repeat(events.offsets[:-1], lengths)
         keys = cls._key(rows, video_rank, positions, len(videos), max_position)
         order = np.argsort(keys, kind="stable")
         return cls(videos, keys[order], counted_prefix_sums(events.action_weights[order]), max_position)
@@ -48,10 +49,7 @@ class PriorExposures:
 
         rows [B] user rows, ends [B] history ends, candidate_lengths [B], candidate_video_ids [M]."""
         visit = np.repeat(np.arange(len(rows)), np.asarray(candidate_lengths, dtype=np.int64))
-        video_ids = np.asarray(candidate_video_ids, dtype=np.int64)
-        rank = np.searchsorted(self.videos, video_ids)
-        known = rank < len(self.videos)
-        known[known] = self.videos[rank[known]] == video_ids[known]
+        rank, known = sorted_lookup(self.videos, candidate_video_ids)
         # A video the dataset never logged gets a rank no key has, so it counts nothing.
         rank = np.where(known, rank, len(self.videos))
         row, end = np.asarray(rows, dtype=np.int64)[visit], np.asarray(ends, dtype=np.int64)[visit]

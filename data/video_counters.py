@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from data.jagged import searchsorted_in_runs, sorted_lookup
 from data.schema import counted_prefix_sums
 
 
@@ -48,17 +49,10 @@ class VideoCounters:
         times = np.asarray(times_ms, dtype=np.int64).reshape(-1)
         if self.until_ms is not None:
             times = np.minimum(times, self.until_ms)
-        rank = np.searchsorted(self.videos, video_ids)
-        known = rank < len(self.videos)
-        known[known] = self.videos[rank[known]] == video_ids[known]
-        lo = np.where(known, self.runs[np.minimum(rank, len(self.videos))], 0)
-        hi = np.where(known, self.runs[np.minimum(rank + 1, len(self.videos))], 0)
-        start = lo.copy()
-        while np.any(lo < hi):  # first event of the run at or after the time
-            mid = (lo + hi) // 2
-            before = (lo < hi) & (self.times_ms[np.minimum(mid, max(len(self.times_ms) - 1, 0))] < times)
-            lo = np.where(before, mid + 1, lo)
-            hi = np.where((lo < hi) & ~before, mid, hi)
-        shown = lo - start
-        positives = self.positives_before[lo] - self.positives_before[start]
+        rank, known = sorted_lookup(self.videos, video_ids)
+        start = np.where(known, self.runs[rank], 0)
+        end = np.where(known, self.runs[np.minimum(rank + 1, len(self.videos))], 0)
+        first_not_before = searchsorted_in_runs(self.times_ms, start, end, times)
+        shown = first_not_before - start
+        positives = self.positives_before[first_not_before] - self.positives_before[start]
         return np.concatenate([shown[:, None], positives.astype(np.int64)], axis=1)

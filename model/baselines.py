@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data.jagged import sorted_lookup
+
 
 @dataclass(frozen=True)
 class Interactions:
@@ -55,7 +57,7 @@ class ItemPopularity:
 
     def score(self, user_ids: np.ndarray, video_ids: np.ndarray) -> np.ndarray:
         """-> [M, num_tasks] float64."""
-        row, known = _lookup(self.videos, video_ids)
+        row, known = sorted_lookup(self.videos, video_ids)
         out = np.zeros((len(video_ids), self.positives.shape[1]))
         out[known] = self.positives[row[known]]
         return out
@@ -90,8 +92,8 @@ class UserKNN:
 
     def score(self, user_ids: np.ndarray, video_ids: np.ndarray) -> np.ndarray:
         """-> [M, num_tasks] float64: sum over the user's neighbours of similarity x their positives."""
-        u, u_known = _lookup(self.users, user_ids)
-        v, v_known = _lookup(self.videos, video_ids)
+        u, u_known = sorted_lookup(self.users, user_ids)
+        v, v_known = sorted_lookup(self.videos, video_ids)
         known = u_known & v_known
         out = np.zeros((len(user_ids), self.positives.shape[0]))
         for t in range(self.positives.shape[0]):
@@ -169,8 +171,8 @@ class MatrixFactorization:
 
     def _rows(self, user_ids: np.ndarray, video_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Embedding rows; an id unseen in training gets the shared last row (zero bias, untrained factors)."""
-        u, u_known = _lookup(self.users, user_ids)
-        v, v_known = _lookup(self.videos, video_ids)
+        u, u_known = sorted_lookup(self.users, user_ids)
+        v, v_known = sorted_lookup(self.videos, video_ids)
         u = np.where(u_known, u, len(self.users))
         v = np.where(v_known, v, len(self.videos))
         return torch.from_numpy(u), torch.from_numpy(v)
@@ -178,12 +180,3 @@ class MatrixFactorization:
     def _logits(self, user_ids: np.ndarray, video_ids: np.ndarray) -> torch.Tensor:
         self.model.eval()
         return self.model(*self._rows(user_ids, video_ids))
-
-
-def _lookup(sorted_ids: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """-> (row of each id in `sorted_ids` (clipped), whether it is there)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    if len(sorted_ids) == 0:
-        return np.zeros(len(ids), dtype=np.int64), np.zeros(len(ids), dtype=bool)
-    row = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
-    return row.astype(np.int64), sorted_ids[row] == ids

@@ -104,7 +104,7 @@ class EarlyStopping:
     stop after `patience` epochs without a new best."""
 
     patience: int
-    best_loss: float = float("inf")
+    best_score: float = float("inf")
     best_epoch: int = -1
     epochs_without_improvement: int = 0
     best_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
@@ -113,10 +113,10 @@ class EarlyStopping:
         if self.patience < 1:
             raise ValueError(f"patience must be >= 1, got {self.patience}")
 
-    def update(self, epoch: int, holdout_loss: float, model: torch.nn.Module) -> bool:
+    def update(self, epoch: int, score: float, model: torch.nn.Module) -> bool:
         """Record one epoch's holdout score (lower is better); True when training should stop."""
-        if holdout_loss < self.best_loss:
-            self.best_loss, self.best_epoch, self.epochs_without_improvement = holdout_loss, epoch, 0
+        if score < self.best_score:
+            self.best_score, self.best_epoch, self.epochs_without_improvement = score, epoch, 0
             self.best_state = copy.deepcopy(model.state_dict())
         else:
             self.epochs_without_improvement += 1

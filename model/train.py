@@ -6,8 +6,8 @@ Visits before the split date are the training period; its last `--holdout_fracti
 time) is held out. Every visit scores its candidates with the serving forward over its
 window, cropped to the last `--max_history_events` events, with per-task binary
 cross-entropy. After each epoch the holdout is scored exactly as serving scores it; the
-epoch with the lowest holdout loss is kept and training stops after `--patience` epochs
-without a better one. Embedding tables (and the per-video logit offsets, at their own rate)
+epoch with the best holdout click AUC (or lowest loss, `--select_on loss`) is kept and training
+stops after `--patience` epochs without a better one. Embedding tables (and the per-video logit offsets, at their own rate)
 get sparse gradients (SparseAdam), dense layers AdamW with warm-up and cosine decay, so a
 step costs what the batch touches, not the vocabulary size. The report gives training
 samples (candidates) per second.
@@ -225,7 +225,7 @@ def _schedule(step: int, total: int, warmup: int) -> float:
 def train(
     dataset: InferenceDataset, params: TrainParams, model: HSTURecommender | None = None
 ) -> tuple[HSTURecommender, TrainReport]:
-    """Train on the visits before the split date; keep the epoch with the best holdout loss.
+    """Train on the visits before the split date; keep the epoch with the best holdout score (`select_on`).
 
     `model` (default: a fresh one of `params.preset` with `params.dropout`, seeded by `params.seed`) is
     trained in place and returned."""
@@ -325,7 +325,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default=d.preset, choices=PRESET_NAMES)
     p.add_argument("--split_date", type=int, default=d.split_date, help="YYYYMMDD; train on visits before it")
     p.add_argument("--holdout_fraction", type=float, default=d.holdout_fraction)
-    p.add_argument("--epochs", type=int, default=d.epochs, help="at most (early stopping on the holdout loss)")
+    p.add_argument("--epochs", type=int, default=d.epochs, help="at most (early stopping on the holdout, see --select_on)")
     p.add_argument("--patience", type=int, default=d.patience)
     p.add_argument("--warmup_steps", type=int, default=d.warmup_steps)
     p.add_argument("--max_history_events", type=int, default=d.max_history_events,

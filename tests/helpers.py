@@ -172,13 +172,16 @@ def make_batch(histories: dict[int, History], visits: list[Visit]) -> VisitBatch
     )
 
 
+def plain_action_counts(actions: np.ndarray) -> list[int]:
+    """[shown, then the count of each of schema.COUNTED_TASKS] of some events' action_weights."""
+    return [len(actions), *(int(np.sum(actions & (1 << schema.TASKS.index(t)) > 0)) for t in schema.COUNTED_TASKS)]
+
+
 def plain_counters(histories: dict[int, History], user: int, end: int, request_time_ms: int,
                    candidates: np.ndarray) -> np.ndarray:
     """[m, 3, 3] the candidates' counting features (data/candidate_counters.py), counted plainly:
     (user, video, user x video) x (shown, clicks, long views)."""
-    def counts(actions: np.ndarray) -> list[int]:
-        return [len(actions), int(np.sum(actions & 1 > 0)), int(np.sum(actions & (1 << 6) > 0))]
-
+    counts = plain_action_counts
     own = histories[user]
     videos = np.concatenate([h.video_ids for h in histories.values()])
     actions = np.concatenate([h.action_weights for h in histories.values()])

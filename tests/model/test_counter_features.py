@@ -11,20 +11,21 @@ import pytest
 import torch
 
 from data.dataset import InferenceDataset
+from data.prior_exposures import PriorExposures
 from helpers import (
     Visit,
     assert_logits_close,
     build_processed,
     make_batch,
     make_cache,
+    plain_action_counts,
     random_histories,
     sensitive_model,
     serve,
     tiny_config,
 )
+from model.config import HSTUConfig
 from model.counter_features import counter_inputs
-
-LONG_VIEW = 1 << 6
 
 
 def _repeating_visits(rng, histories, fraction: float = 1.0, count: int = 8) -> list[Visit]:
@@ -51,8 +52,7 @@ def _plain(events, rows, ends, times, candidates, until_ms=None):
         own = slice(events.offsets[row], events.offsets[row] + end)
         for v in cands:
             def counts(mask):
-                acts = events.action_weights[mask]
-                return [len(acts), int(np.sum(acts & 1 > 0)), int(np.sum(acts & LONG_VIEW > 0))]
+                return plain_action_counts(events.action_weights[mask])
 
             mine = np.zeros(len(events.video_ids), dtype=bool)
             mine[own] = True
@@ -81,6 +81,22 @@ def test_counters_equal_a_plain_count(processed, frozen):
     assert batch.candidate_counters[:, 1, 0].max() >= 1  # other users' exposures were found
     unknown = dataset.counters().for_candidates(rows[:1], req.end[idx[:1]], req.time_ms[idx[:1]], [1], [10**12])
     np.testing.assert_array_equal(unknown[0, 1:], 0)
+
+
+def test_bad_counter_settings_are_refused(processed):
+    for bad in (-5, 10**20, 1.5e12, "2022-04-22"):
+        with pytest.raises(ValueError, match="video_counters_until_ms must be epoch milliseconds"):
+            InferenceDataset(processed, video_counters_until_ms=bad)
+    with pytest.raises(ValueError, match="counter_buckets must be >= 0"):
+        HSTUConfig(counter_buckets=-1)
+
+    class Huge:  # one user with 2**60 events: its (user, video, position) keys overflow int64
+        offsets = np.array([0, 2**60])
+        video_ids = np.arange(3)
+        action_weights = np.zeros(3, dtype=np.int64)
+
+    with pytest.raises(ValueError, match="do not fit one int64 key"):
+        PriorExposures.build(Huge)
 
 
 def test_counter_inputs_bucket_and_smooth():

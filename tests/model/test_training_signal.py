@@ -127,7 +127,7 @@ def test_early_stopping_keeps_the_best_epoch():
         states.append(epoch)
         stops.append(stopper.update(epoch, loss, model))
     assert stops == [False, False, False, True, False][: len(stops)]
-    assert stopper.best_epoch == 5 and stopper.best_loss == 0.6
+    assert stopper.best_epoch == 5 and stopper.best_score == 0.6
     stopper = EarlyStopping(patience=2)
     for epoch, loss in enumerate([0.5, 0.7, 0.8], 1):
         with torch.no_grad():
