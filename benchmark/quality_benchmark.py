@@ -8,6 +8,9 @@ here when the checkpoint directory has none, or with --retrain) and with item po
 user-kNN collaborative filter and matrix factorisation fitted on the events before the split
 date (model/quality.py). Prints the per-task AUC table, the training throughput when it
 trained, and whether the model beats the best baseline's click AUC; writes the same to JSON.
+
+With `--seeds 0 1 2` it does all of that once per seed (the trainer and matrix factorisation
+reseeded alike) and reports the smallest margin: the target holds only if it holds for every seed.
 """
 from __future__ import annotations
 
@@ -16,18 +19,43 @@ import json
 import logging
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from data.dataset import InferenceDataset
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import PRESET_NAMES
 from model.evaluation import score_requests
-from model.quality import compare, quality_split
-from model.train import TrainParams, date_to_ms, train
+from model.quality import QualitySplit, QualityTable, compare, quality_split
+from model.train import TrainParams, TrainReport, date_to_ms, train
 
 MODEL = "HSTU"
 CLICK_MARGIN_TARGET = 0.02  # the model's click AUC must exceed the best baseline's by this much
+
+
+@dataclass(frozen=True)
+class SeedRun:
+    """One seed's model (trained with it, or the checkpoint's) and baselines (fitted with it), scored."""
+
+    seed: int
+    table: QualityTable
+    training: TrainReport | None
+    scoring_seconds: float
+
+    @property
+    def click_margin(self) -> float:
+        return self.table.margin(MODEL, "click")
+
+    def to_json(self) -> dict:
+        best_name, best_auc = self.table.best_baseline("click")
+        return {
+            "seed": self.seed, "auc": self.table.auc, "requests": self.table.num_requests,
+            "candidates": self.table.num_candidates, "click_best_baseline": {"name": best_name, "auc": best_auc},
+            "click_margin": self.click_margin,
+            "click_margin_vs_popularity": self.table.auc[MODEL]["click"] - self.table.auc["item popularity"]["click"],
+            "scoring_seconds": self.scoring_seconds,
+            "training": asdict(self.training) if self.training is not None else None,
+        }
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,9 +72,55 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=8, help="scoring batch size")
     p.add_argument("--full_recompute", action="store_true",
                    help="score by full recompute of every window instead of through the KV cache (same logits)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seeds", "--seed", type=int, nargs="+", default=[d.seed],
+                   help="one run per seed (the trainer and matrix factorisation reseeded alike); several seeds "
+                        "train one model each (saved under CHECKPOINT/seed_N) and the target must hold for all")
     p.add_argument("--output", type=Path, help="JSON results")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds repeats a seed: {args.seeds}")
+    return args
+
+
+def run_seed(args: argparse.Namespace, dataset: InferenceDataset, split: QualitySplit, seed: int) -> SeedRun:
+    """Train (or load) the model, score the evaluation visits, fit and score the baselines, all with `seed`."""
+    checkpoint = args.checkpoint
+    if checkpoint is not None and len(args.seeds) > 1:
+        checkpoint = str(Path(checkpoint) / f"seed_{seed}")
+    training = None
+    if checkpoint is not None and (Path(checkpoint) / "model.pt").is_file() and not args.retrain:
+        model = load_checkpoint(checkpoint).model.eval()
+    else:
+        params = TrainParams(preset=args.preset, split_date=args.split_date, epochs=args.epochs,
+                             max_train_seconds=args.max_train_seconds, seed=seed)
+        model, training = train(dataset, params)
+        if checkpoint is not None:
+            save_checkpoint(model, checkpoint, metadata={"train": asdict(training), "params": asdict(params)})
+    started = time.perf_counter()
+    scored = score_requests(model, dataset, split.eval_requests, args.batch_size, desc=f"score (HSTU, seed {seed})",
+                            kv_cache=not args.full_recompute)
+    scoring_seconds = time.perf_counter() - started
+    return SeedRun(seed, compare(split, {MODEL: scored.logits}, seed=seed), training, scoring_seconds)
+
+
+def _verdict(margin: float) -> str:
+    return "pass" if margin >= CLICK_MARGIN_TARGET else "FAIL"
+
+
+def _print_run(run: SeedRun, split_date: int) -> None:
+    table = run.table
+    best_name, best_auc = table.best_baseline("click")
+    print(f"\nseed {run.seed}: per-task AUC on {table.num_requests} visits from {split_date} on "
+          f"({table.num_candidates} candidates)")
+    print(table.format())
+    print(f"click: {MODEL} {table.auc[MODEL]['click']:.4f} vs best baseline ({best_name}) {best_auc:.4f}: "
+          f"margin {run.click_margin:+.4f} (target >= +{CLICK_MARGIN_TARGET}) -> {_verdict(run.click_margin)}")
+    popularity_margin = table.auc[MODEL]["click"] - table.auc["item popularity"]["click"]
+    print(f"click: {MODEL} vs item popularity: {popularity_margin:+.4f} -> {'beats' if popularity_margin > 0 else 'LOSES TO'} it")
+    if run.training is not None:
+        t = run.training
+        print(f"training: {t.steps} steps, best epoch {t.best_epoch} of {len(t.epochs)}, "
+              f"{t.candidates_per_second:.0f} candidates/s ({t.requests_per_second:.1f} visits/s), {t.seconds:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,42 +134,21 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    has_checkpoint = args.checkpoint is not None and (Path(args.checkpoint) / "model.pt").is_file()
-    training = None
-    if has_checkpoint and not args.retrain:
-        model = load_checkpoint(args.checkpoint).model.eval()
-    else:
-        params = TrainParams(preset=args.preset, split_date=args.split_date, epochs=args.epochs,
-                             max_train_seconds=args.max_train_seconds, seed=args.seed)
-        model, training = train(dataset, params)
-        if args.checkpoint is not None:
-            save_checkpoint(model, args.checkpoint, metadata={"train": asdict(training), "params": asdict(params)})
-    started = time.perf_counter()
-    scored = score_requests(model, dataset, split.eval_requests, args.batch_size, desc="score (HSTU)",
-                            kv_cache=not args.full_recompute)
-    scoring_seconds = time.perf_counter() - started
-    table = compare(split, {MODEL: scored.logits}, seed=args.seed)
-    best_name, best_auc = table.best_baseline("click")
-    margin = table.margin(MODEL, "click")
-
-    print(f"\nper-task AUC on {table.num_requests} visits from {args.split_date} on ({table.num_candidates} candidates)")
-    print(table.format())
-    print(f"click: {MODEL} {table.auc[MODEL]['click']:.4f} vs best baseline ({best_name}) {best_auc:.4f}: "
-          f"margin {margin:+.4f} (target >= +{CLICK_MARGIN_TARGET}) -> "
-          f"{'pass' if margin >= CLICK_MARGIN_TARGET else 'FAIL'}")
-    popularity_margin = table.auc[MODEL]["click"] - table.auc["item popularity"]["click"]
-    print(f"click: {MODEL} vs item popularity: {popularity_margin:+.4f} -> {'beats' if popularity_margin > 0 else 'LOSES TO'} it")
-    if training is not None:
-        print(f"training: {training.steps} steps, best epoch {training.best_epoch} of {len(training.epochs)}, "
-              f"{training.candidates_per_second:.0f} candidates/s ({training.requests_per_second:.1f} visits/s), "
-              f"{training.seconds:.0f} s")
+    runs = []
+    for seed in args.seeds:
+        runs.append(run_seed(args, dataset, split, seed))
+        _print_run(runs[-1], args.split_date)
+    margins = [run.click_margin for run in runs]
+    if len(runs) > 1:
+        print(f"\nclick margin over {len(runs)} seeds: min {min(margins):+.4f}, mean {sum(margins) / len(margins):+.4f}, "
+              f"max {max(margins):+.4f}; {sum(m >= CLICK_MARGIN_TARGET for m in margins)} of {len(runs)} pass "
+              f"-> {_verdict(min(margins))}")
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps({
-            "auc": table.auc, "requests": table.num_requests, "candidates": table.num_candidates,
-            "click_best_baseline": {"name": best_name, "auc": best_auc}, "click_margin": margin,
-            "click_margin_target": CLICK_MARGIN_TARGET, "click_margin_vs_popularity": popularity_margin,
-            "scoring_seconds": scoring_seconds, "training": asdict(training) if training is not None else None,
+            "seeds": [run.to_json() for run in runs], "click_margin_target": CLICK_MARGIN_TARGET,
+            "click_margin_min": min(margins), "click_margin_mean": sum(margins) / len(margins),
+            "passes": sum(m >= CLICK_MARGIN_TARGET for m in margins),
         }, indent=2))
     return 0
 

@@ -8,7 +8,7 @@ its 8 action bits) and scores (user, video) pairs per task, higher = more likely
                           similarity-weighted positives of the user's k nearest neighbours
     MatrixFactorization   logistic MF: per-task global, user and video biases plus user/video
                           factors, fitted by full-batch Adam on every training exposure,
-                          early-stopped on the holdout pairs
+                          early-stopped on the holdout pairs' click AUC
 
 All are vectorised numpy / torch; none sees an event after the split date.
 """
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data.jagged import sorted_lookup
+from model.metrics import auc
 
 
 @dataclass(frozen=True)
@@ -128,13 +129,17 @@ class MatrixFactorization:
     name = "matrix factorisation"
 
     def __init__(self, dim: int = 16, steps: int = 200, learning_rate: float = 0.05, l2: float = 1e-4,
-                 eval_every: int = 10, patience: int = 3, seed: int = 0):
+                 eval_every: int = 10, patience: int = 3, seed: int = 0, select_on: str = "click_auc"):
+        if select_on not in ("loss", "click_auc"):
+            raise ValueError(f"select_on must be loss or click_auc, got {select_on!r}")
         self.dim, self.steps, self.learning_rate, self.l2 = dim, steps, learning_rate, l2
-        self.eval_every, self.patience, self.seed = eval_every, patience, seed
+        self.eval_every, self.patience, self.seed, self.select_on = eval_every, patience, seed, select_on
 
     def fit(self, train: Interactions, holdout: Interactions | None = None) -> MatrixFactorization:
         """Full-batch Adam on the mean BCE + l2 x (sum of squared parameters); with `holdout`, keep the
-        parameters of the check (every `eval_every` steps) with the lowest holdout BCE."""
+        parameters of the check (every `eval_every` steps) with the best holdout score: 1 - its click
+        AUC (`select_on="click_auc"`, what the HSTU trainer selects on too) or its mean BCE ("loss").
+        `holdout_scores` lists every check's (step, score)."""
         torch.manual_seed(self.seed)
         self.users = np.unique(train.user_ids)
         self.videos = np.unique(train.video_ids)
@@ -143,6 +148,7 @@ class MatrixFactorization:
         u, v = self._rows(train.user_ids, train.video_ids)
         labels = torch.from_numpy(train.labels.astype(np.float32))
         best, best_state, bad = float("inf"), None, 0
+        self.holdout_scores: list[tuple[int, float]] = []
         for step in range(1, self.steps + 1):
             self.model.train()
             loss = F.binary_cross_entropy_with_logits(self.model(u, v), labels)
@@ -152,11 +158,10 @@ class MatrixFactorization:
             optimizer.step()
             if holdout is None or step % self.eval_every:
                 continue
-            with torch.no_grad():
-                held = self._logits(holdout.user_ids, holdout.video_ids)
-                holdout_loss = float(F.binary_cross_entropy_with_logits(held, torch.from_numpy(holdout.labels)))
-            if holdout_loss < best:
-                best, best_state, bad = holdout_loss, copy.deepcopy(self.model.state_dict()), 0
+            score = self._holdout_score(holdout)
+            self.holdout_scores.append((step, score))
+            if score < best:
+                best, best_state, bad = score, copy.deepcopy(self.model.state_dict()), 0
             else:
                 bad += 1
                 if bad >= self.patience:
@@ -164,6 +169,18 @@ class MatrixFactorization:
         if best_state is not None:
             self.model.load_state_dict(best_state)
         return self
+
+    def _holdout_score(self, holdout: Interactions) -> float:
+        """Lower is better: 1 - the holdout's click AUC, or its mean BCE over every task."""
+        with torch.no_grad():
+            held = self._logits(holdout.user_ids, holdout.video_ids)
+        if self.select_on == "loss":
+            return float(F.binary_cross_entropy_with_logits(held, torch.from_numpy(holdout.labels)))
+        click_auc = auc(held[:, 0].numpy(), holdout.labels[:, 0])
+        if click_auc is None:
+            raise ValueError("matrix factorisation: the holdout's click AUC is undefined (its pairs are all "
+                             "clicked or none is): select on the loss instead (select_on='loss')")
+        return 1.0 - click_auc
 
     def score(self, user_ids: np.ndarray, video_ids: np.ndarray) -> np.ndarray:
         with torch.no_grad():

@@ -11,6 +11,7 @@ import pytest
 from data.dataset import InferenceDataset
 from helpers import REPO_ROOT, build_processed, subprocess_env
 from model.baselines import Interactions, ItemPopularity, MatrixFactorization, UserKNN
+from model.checkpoint import load_checkpoint
 from model.metrics import auc
 from model.quality import compare, quality_split
 from model.train import date_to_ms
@@ -53,6 +54,26 @@ def test_matrix_factorization_learns_a_planted_preference():
     assert np.isfinite(scores).all()
 
 
+@pytest.mark.parametrize("select_on", ["click_auc", "loss"])
+def test_matrix_factorization_keeps_its_best_holdout_check(select_on):
+    """The kept parameters are those of the check with the best holdout score on the chosen criterion."""
+    rng = np.random.default_rng(1)
+    n, users, videos = 3000, 30, 400  # many videos seen a few times: the factors overfit as steps go on
+    u, v = rng.integers(0, users, n), rng.integers(0, videos, n)
+    clicks = rng.random(n) < np.where((u % 2) == (v % 2), 0.7, 0.3)
+    train, held = _interactions(u[:2500], v[:2500], clicks[:2500]), _interactions(u[2500:], v[2500:], clicks[2500:])
+    mf = MatrixFactorization(dim=8, steps=120, eval_every=5, patience=100, seed=0, select_on=select_on).fit(train, held)
+    assert len(mf.holdout_scores) == 24
+    best_step, best_score = min(mf.holdout_scores, key=lambda check: check[1])
+    assert best_step < 120, "the planted overfitting did not happen: the test checks nothing"
+    assert mf._holdout_score(held) == pytest.approx(best_score, abs=1e-12)
+    with pytest.raises(ValueError, match="select_on must be loss or click_auc"):
+        MatrixFactorization(select_on="auc")
+    all_clicked = _interactions(u[:10], v[:10], np.ones(10))
+    with pytest.raises(ValueError, match="click AUC is undefined"):
+        MatrixFactorization(steps=10, eval_every=5).fit(train, all_clicked)
+
+
 @pytest.fixture(scope="module")
 def processed(tmp_path_factory):
     return build_processed(tmp_path_factory.mktemp("quality"), scale=0.002, seed=3)
@@ -72,19 +93,27 @@ def test_quality_split_keeps_the_evaluation_period_unseen(processed):
 
 
 def test_quality_benchmark_script(processed, tmp_path):
-    """Trains a tiny model, scores the evaluation period through the KV cache, prints and writes the table."""
+    """Trains a tiny model per seed, scores the evaluation period through the KV cache, prints and writes the
+    table of each seed and the smallest margin."""
     out = tmp_path / "quality.json"
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmark" / "quality_benchmark.py"), "--data_dir", str(processed),
          "--checkpoint", str(tmp_path / "ckpt"), "--preset", "tiny", "--epochs", "1", "--max_eval_requests", "60",
-         "--output", str(out)],
+         "--seeds", "0", "3", "--output", str(out)],
         capture_output=True, text=True, env=subprocess_env(), timeout=900,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert set(report["auc"]) == {"HSTU", "item popularity", "user-kNN collaborative filter", "matrix factorisation"}
-    assert all(0.0 < a["click"] < 1.0 for a in report["auc"].values())
-    assert report["training"]["candidates_per_second"] > 0
-    assert report["click_best_baseline"]["name"] != "HSTU"
-    assert "click: HSTU" in result.stdout and "candidates/s" in result.stdout
-    assert (tmp_path / "ckpt" / "model.pt").is_file()
+    assert [run["seed"] for run in report["seeds"]] == [0, 3]
+    for run in report["seeds"]:
+        assert set(run["auc"]) == {"HSTU", "item popularity", "user-kNN collaborative filter", "matrix factorisation"}
+        assert all(0.0 < a["click"] < 1.0 for a in run["auc"].values())
+        assert run["training"]["candidates_per_second"] > 0
+        assert run["click_best_baseline"]["name"] != "HSTU"
+        assert run["click_margin"] == pytest.approx(run["auc"]["HSTU"]["click"] - run["click_best_baseline"]["auc"])
+    margins = [run["click_margin"] for run in report["seeds"]]
+    assert report["click_margin_min"] == min(margins)
+    assert report["passes"] == sum(m >= report["click_margin_target"] for m in margins)
+    assert "click: HSTU" in result.stdout and "candidates/s" in result.stdout and "over 2 seeds" in result.stdout
+    for seed in (0, 3):
+        assert load_checkpoint(tmp_path / "ckpt" / f"seed_{seed}").metadata["params"]["seed"] == seed
