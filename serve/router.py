@@ -3,7 +3,8 @@
     python -m serve.router --nodes 127.0.0.1:8001,127.0.0.1:8002 --policy kv-aware \\
         --redis_url redis://127.0.0.1:6379/0 --port 8000
 
-    POST /score    -> the chosen node's answer (header X-Routed-To: node id) | 400 malformed | 503 no node
+    POST /score    -> the chosen node's answer (header X-Routed-To: node id) | 400 malformed | 503 no node,
+                      or 503 "overloaded" (a node's answer) when every node that answered is busy
     GET  /health   -> 200 {"status": "ok", "policy", "nodes": [...]} | 503 when no node is up
     GET  /metrics  -> Prometheus text
     GET  /route/{user_id} -> where a request of the user would go now, and why (nothing is forwarded)
@@ -99,8 +100,15 @@ class Router:
         except RequestError as err:
             return self._answer_error(err)
         tried: set[str] = set()
+        overloaded: tuple[NodeState, int, bytes] | None = None  # the last node that said so
         while True:
             live = [n for n in self.pool.live() if n.node_id not in tried]
+            if not live and overloaded is not None:
+                # Every node that answered is busy: pass "overloaded" on, so the client backs off and
+                # retries, rather than "no node available", which reads as an outage.
+                node, status, payload = overloaded
+                self.metrics.requests.inc(code=str(status))
+                return Response(status, payload, headers=(("X-Routed-To", node.node_id),))
             if not live:
                 reason = "no node is up" if not tried else f"every node failed ({', '.join(sorted(tried))})"
                 return self._answer_error(RequestError(503, "no_node_available", reason))
@@ -122,6 +130,8 @@ class Router:
             if code in RETRY_ELSEWHERE:
                 if code == "shutting_down":
                     self.pool.mark_down(node, "shutting down")
+                else:
+                    overloaded = (node, status, payload)
                 self.metrics.failovers.inc(node=node.address)
                 continue
             total = time.perf_counter() - arrived
