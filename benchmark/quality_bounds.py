@@ -11,17 +11,19 @@ with what a model could at best know:
     propensity + quality from sightings
                            the true propensity plus each video's posterior mean quality given every
                            training-period sighting of it, everything else about those sightings
-                           known (unseen videos: the prior mean). No model that learns a video only
-                           from its sightings knows its quality better.
+                           known (unseen videos: the prior mean)
     taste, true clusters   the user's share of training exposures in the candidate's true cluster
-    taste, co-exposure clusters
-                           the same with clusters recovered from who was shown what (a 64-topic
-                           mixture fitted by EM on the training exposures), and how pure they are
+    Bayes: world known, videos from sightings
+                           the Bayes-optimal click probability when every user's taste, propensity
+                           and the generator's rules are known, and only each video's cluster and
+                           quality are not: those are inferred from who was shown the video in
+                           training, whether they clicked, and that it is shown to this user now
 
-A model above "propensity + quality from sightings" is reading taste or the user's own recent
-history; the taste rows say how much taste is worth when clusters are known and when they must be
-recovered. Prints the table and writes JSON (--output). Meant for demo-sized data (tens of
-thousands of videos): the topic fit holds [64, videos] matrices.
+The Bayes row bounds any model that learns videos from the training period's logs: a real one must
+also learn the users' tastes, which that row is given. It is broken down by how many training
+sightings the candidate's video has, with how often its most likely cluster is the true one.
+Prints the table and writes JSON (--output). Meant for demo-sized data (tens of thousands of
+videos): the posterior holds a [videos, clusters, 29] array.
 """
 from __future__ import annotations
 
@@ -36,14 +38,16 @@ import numpy as np
 from data import schema
 from data.dataset import InferenceDataset
 from data.synthetic import generate
-from data.synthetic_world import SIGNALS, World, intercept, sigmoid, signal_config
+from data.synthetic_world import SIGNALS, SyntheticConfig, World, intercept, sigmoid, signal_config
 from model.baselines import Interactions
 from model.metrics import auc
 from model.quality import QualitySplit, quality_split
 from model.train import DEFAULT_SPLIT_DATE
 
 QUALITY_GRID = np.linspace(-5.0, 5.0, 101)  # posterior support of a video's quality, affinity units
-SIGHTING_BUCKETS = ((1, 2), (2, 5), (5, 20), (20, None))
+SIGHTING_BUCKETS = ((0, 1), (1, 2), (2, 5), (5, 20), (20, None))  # [low, high) training sightings
+BAYES_QUALITY_GRID = np.linspace(-3.5, 3.5, 29, dtype=np.float32)  # coarser: it is crossed with the clusters
+BAYES_CHUNK_ROWS = 4_000  # rows per step of the Bayes posterior ([rows, clusters, grid] floats)
 LOG_FILES = (schema.LOG_STANDARD_EARLY, schema.LOG_STANDARD_LATE)  # what preprocessing reads
 CHUNK_ROWS = 100_000  # sightings per step of the quality posterior ([rows, grid] floats)
 
@@ -67,26 +71,49 @@ def quality_posterior_mean(world: World, events: Interactions, click_rate: float
     return videos, (post * QUALITY_GRID).sum(axis=1) / post.sum(axis=1)
 
 
-def coexposure_topics(users: np.ndarray, videos: np.ndarray, num_topics: int, iterations: int,
-                      rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A topic mixture of exposures fitted by EM: P(video | user) = Σ_k θ[user, k] φ[k, video].
-    -> (user ids, [U, K] θ, video ids, [K, V] φ)."""
-    user_ids, u = np.unique(users, return_inverse=True)
-    video_ids, v = np.unique(videos, return_inverse=True)
-    pair, count = np.unique(u * len(video_ids) + v, return_counts=True)
-    pu, pv = pair // len(video_ids), pair % len(video_ids)
-    theta = rng.dirichlet(np.ones(num_topics), len(user_ids))
-    phi = rng.dirichlet(np.ones(len(video_ids)), num_topics)
-    for _ in range(iterations):
-        resp = theta[pu] * phi[:, pv].T  # [P, K]
-        resp *= (count / resp.sum(axis=1))[:, None]
-        theta = np.zeros_like(theta)
-        np.add.at(theta, pu, resp)
-        theta = (theta + 1e-3) / (theta + 1e-3).sum(axis=1, keepdims=True)
-        phi = np.zeros_like(phi)
-        np.add.at(phi.T, pv, resp)
-        phi = (phi + 1e-6) / (phi + 1e-6).sum(axis=1, keepdims=True)
-    return user_ids, theta, video_ids, phi
+def bayes_click_probability(world: World, config: SyntheticConfig, training: Interactions, pairs: Interactions,
+                            click_rate: float) -> tuple[np.ndarray, np.ndarray]:
+    """The Bayes-optimal click probability of each pair when everything about the world is known
+    except each video's cluster and quality, which are inferred from the video's training sightings
+    (who was shown it, and whether they clicked) and from its being shown to this user now.
+    -> ([M] probability, [M] whether the posterior's most likely cluster is the true one)."""
+    k, slope = world.taste.shape[1], config.signal_strength
+    quality_std = config.item_quality_std / slope
+    taste = world.cluster_taste_affinity().astype(np.float32)  # [U, K]
+    # log P(a video of cluster c is shown to user u), up to a factor that does not depend on c
+    # (clusters are the same size, so a video's rank in its cluster says nothing of which it is)
+    shown = np.log(world.cluster_exposure_probability(config.taste_exposure)).astype(np.float32)
+    bias = intercept(world.affinity(training.user_ids, training.video_ids), slope, click_rate)
+    grid = BAYES_QUALITY_GRID[None, None]
+
+    def click_probability(users: np.ndarray) -> np.ndarray:  # -> [n, K, G]
+        return sigmoid(bias + slope * (taste[users][:, :, None] + grid + world.propensity[users][:, None, None]))
+
+    videos, row = np.unique(training.video_ids, return_inverse=True)
+    log_lik = np.zeros((len(videos), k, grid.shape[-1]), np.float32)  # each video's sightings, summed
+    clicked = training.labels[:, 0] > 0.5
+    for part in _chunks(len(row)):
+        users, p = training.user_ids[part], click_probability(training.user_ids[part])
+        np.add.at(log_lik, row[part], shown[users][:, :, None] + np.where(clicked[part, None, None], np.log(p), np.log1p(-p)))
+    if quality_std > 0:
+        log_prior = -grid ** 2 / (2 * quality_std ** 2)
+    else:  # a world without quality: all the mass on the grid point at 0
+        log_prior = np.where(np.abs(grid) == np.abs(grid).min(), 0.0, -np.inf)
+    index, seen = _lookup(videos, pairs.video_ids)
+    probability, map_right = np.zeros(len(pairs.user_ids)), np.zeros(len(pairs.user_ids), bool)
+    for part in _chunks(len(probability)):
+        users = pairs.user_ids[part]
+        log_post = np.where(seen[part, None, None], log_lik[index[part]], 0.0) + log_prior + shown[users][:, :, None]
+        post = np.exp(log_post - log_post.max(axis=(1, 2), keepdims=True))
+        post /= post.sum(axis=(1, 2), keepdims=True)
+        probability[part] = (post * click_probability(users)).sum(axis=(1, 2))
+        map_right[part] = post.sum(axis=2).argmax(axis=1) == world.video_cluster[pairs.video_ids[part]]
+    return probability, map_right
+
+
+def _chunks(n: int):
+    for start in range(0, n, BAYES_CHUNK_ROWS):
+        yield slice(start, start + BAYES_CHUNK_ROWS)
 
 
 def _data_rows(path: Path) -> int:
@@ -100,9 +127,10 @@ def _lookup(keys: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return index, keys[index] == wanted
 
 
-def bounds(world: World, split: QualitySplit, num_clusters: int, click_rate: float, slope: float,
-           quality_std: float, iterations: int, rng: np.random.Generator) -> tuple[dict[str, float], list[dict]]:
-    """-> (click AUC of each score in the module docstring, co-exposure cluster purity by sightings)."""
+def bounds(world: World, config: SyntheticConfig, split: QualitySplit) -> tuple[dict[str, float | None], list[dict]]:
+    """-> (click AUC of each score in the module docstring, the Bayes row by the video's training sightings)."""
+    num_clusters, slope = config.num_clusters, config.signal_strength
+    quality_std, click_rate = config.item_quality_std / slope, config.rates[schema.TASKS.index("click")]
     pairs, training = split.eval_pairs, split.training_period_events
     u, v, clicks = pairs.user_ids, pairs.video_ids, pairs.labels[:, 0]
     scores = {
@@ -120,31 +148,25 @@ def bounds(world: World, split: QualitySplit, num_clusters: int, click_rate: flo
     share = (exposure + 0.1) / (exposure + 0.1).sum(axis=1, keepdims=True)
     scores["taste, true clusters"] = np.log(share[u, world.video_cluster[v]])
 
-    user_ids, theta, video_ids, phi = coexposure_topics(training.user_ids, training.video_ids, num_clusters, iterations, rng)
-    uu, _ = _lookup(user_ids, u)
-    vv, v_seen = _lookup(video_ids, v)
-    prior = theta.mean(axis=0)
-    # log P(v | user) / P(v): how much likelier this user is to be shown the video than anyone
-    lift = np.log((theta[uu] * phi[:, vv].T).sum(axis=1)) - np.log((prior * phi[:, vv].T).sum(axis=1))
-    scores["taste, co-exposure clusters"] = np.where(v_seen, lift, 0.0)
+    probability, map_right = bayes_click_probability(world, config, training, pairs, click_rate)
+    scores["Bayes: world known, videos from sightings"] = probability
 
-    sightings = np.bincount(np.searchsorted(video_ids, training.video_ids), minlength=len(video_ids))
-    topic = phi.argmax(axis=0)
-    true_cluster = world.video_cluster[video_ids]
-    purity = []
+    sightings = np.bincount(np.searchsorted(seen_videos, training.video_ids), minlength=len(seen_videos))
+    candidate_sightings = np.where(seen, sightings[index], 0)
+    by_sightings = []
     for low, high in SIGHTING_BUCKETS:
-        in_bucket = (sightings >= low) & (sightings < (high or np.inf))
-        table = np.zeros((num_clusters, num_clusters))
-        np.add.at(table, (topic[in_bucket], true_cluster[in_bucket]), 1.0)
-        candidates = v_seen & in_bucket[vv]
-        purity.append({
+        rows = (candidate_sightings >= low) & (candidate_sightings < (high or np.inf))
+        by_sightings.append({
             "sightings": f"{low}+" if high is None else str(low) if high == low + 1 else f"{low}-{high - 1}",
-            "videos": int(in_bucket.sum()), "candidates": int(candidates.sum()),
-            "purity": float(table.max(axis=1).sum() / max(in_bucket.sum(), 1)),
-            "auc_coexposure": auc(lift[candidates], clicks[candidates]),
-            "auc_true_clusters": auc(scores["taste, true clusters"][candidates], clicks[candidates]),
+            "candidates": int(rows.sum()), "cluster_recovered": float(map_right[rows].mean()) if rows.any() else None,
+            "auc_bayes": auc(probability[rows], clicks[rows]),
+            "auc_taste_true_clusters": auc(scores["taste, true clusters"][rows], clicks[rows]),
         })
-    return {name: auc(score, clicks) for name, score in scores.items()}, purity
+    return {name: auc(score, clicks) for name, score in scores.items()}, by_sightings
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -155,7 +177,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--signal", choices=tuple(SIGNALS), required=True, help="data.synthetic --signal")
     p.add_argument("--split_date", type=int, default=DEFAULT_SPLIT_DATE)
     p.add_argument("--max_eval_requests", type=int, default=None)
-    p.add_argument("--em_iterations", type=int, default=100)
     p.add_argument("--output", type=Path, help="JSON results")
     return p.parse_args(argv)
 
@@ -177,22 +198,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.data_dir} was not made by data.synthetic --scale {args.scale} --seed {args.seed} "
               f"--signal {args.signal}: log rows {logged} vs {rows}", file=sys.stderr)
         return 2
-    aucs, purity = bounds(summary.world, split, config.num_clusters, config.rates[schema.TASKS.index("click")],
-                          config.signal_strength,
-                          config.item_quality_std / config.signal_strength, args.em_iterations,
-                          np.random.default_rng(args.seed))
+    aucs, by_sightings = bounds(summary.world, config, split)
     print(f"\nclick AUC on {len(split.eval_requests)} visits from {args.split_date} on "
           f"({len(split.eval_pairs.user_ids)} candidates), --signal {args.signal}")
     for name, value in aucs.items():
-        print(f"  {name:<40} {'n/a' if value is None else f'{value:.4f}'}")
-    print("co-exposure clusters by the video's training sightings:")
-    for row in purity:
-        print(f"  {row['sightings']:>5} sightings: {row['videos']:>6} videos, {row['candidates']:>6} candidates, "
-              f"purity {row['purity']:.3f}, AUC {row['auc_coexposure'] or float('nan'):.4f} "
-              f"(true clusters {row['auc_true_clusters'] or float('nan'):.4f})")
+        print(f"  {name:<44} {'n/a' if value is None else f'{value:.4f}'}")
+    print("the Bayes row by the video's training sightings:")
+    for row in by_sightings:
+        recovered = "n/a" if row["cluster_recovered"] is None else f"{row['cluster_recovered']:.3f}"
+        print(f"  {row['sightings']:>5} sightings: {row['candidates']:>6} candidates, cluster recovered {recovered}, "
+              f"AUC {_fmt(row['auc_bayes'])} (taste with true clusters {_fmt(row['auc_taste_true_clusters'])})")
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"auc": aucs, "coexposure_purity": purity}, indent=2))
+        args.output.write_text(json.dumps({"auc": aucs, "candidates": len(split.eval_pairs.user_ids),
+                                           "bayes_by_sightings": by_sightings}, indent=2))
     return 0
 
 

@@ -123,8 +123,15 @@ class World:
 
     def taste_affinity(self, user: np.ndarray, video: np.ndarray) -> np.ndarray:
         """[N] the cluster-taste part of `affinity` alone."""
-        k = self.taste.shape[1]
-        return np.clip(np.log(k * self.taste[user, self.video_cluster[video]] + 1e-12), -4.0, 3.0)
+        return _taste_logit(self.taste[user, self.video_cluster[video]], self.taste.shape[1])
+
+    def cluster_taste_affinity(self) -> np.ndarray:
+        """[U, K] `taste_affinity` of every user for a video of every cluster."""
+        return _taste_logit(self.taste, self.taste.shape[1])
+
+    def cluster_exposure_probability(self, taste_exposure: float) -> np.ndarray:
+        """[U, K] the chance that `sample_videos` draws a user's next video from each cluster."""
+        return taste_exposure * self.taste + (1 - taste_exposure) * self.cluster_share / self.cluster_share.sum()
 
     def sample_videos(
         self, rng: np.random.Generator, user: np.ndarray, taste_exposure: float, exponent: float
@@ -146,6 +153,11 @@ class World:
         rank = np.minimum((size * rng.random(n) ** exponent).astype(np.int64), size - 1)
         return self.video_of_index[self.cluster_offset[cluster] + rank]
 
+
+
+def _taste_logit(taste: np.ndarray, num_clusters: int) -> np.ndarray:
+    """log(K x taste), clipped: 0 for a user indifferent to the cluster."""
+    return np.clip(np.log(num_clusters * taste + 1e-12), -4.0, 3.0)
 
 
 def draw_actions(
