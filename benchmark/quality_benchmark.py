@@ -46,13 +46,17 @@ class SeedRun:
     def click_margin(self) -> float:
         return self.table.margin(MODEL, "click")
 
+    @property
+    def click_margin_vs_popularity(self) -> float:
+        return self.table.auc[MODEL]["click"] - self.table.auc["item popularity"]["click"]
+
     def to_json(self) -> dict:
         best_name, best_auc = self.table.best_baseline("click")
         return {
             "seed": self.seed, "auc": self.table.auc, "requests": self.table.num_requests,
             "candidates": self.table.num_candidates, "click_best_baseline": {"name": best_name, "auc": best_auc},
             "click_margin": self.click_margin,
-            "click_margin_vs_popularity": self.table.auc[MODEL]["click"] - self.table.auc["item popularity"]["click"],
+            "click_margin_vs_popularity": self.click_margin_vs_popularity,
             "scoring_seconds": self.scoring_seconds,
             "training": asdict(self.training) if self.training is not None else None,
         }
@@ -115,8 +119,8 @@ def _print_run(run: SeedRun, split_date: int) -> None:
     print(table.format())
     print(f"click: {MODEL} {table.auc[MODEL]['click']:.4f} vs best baseline ({best_name}) {best_auc:.4f}: "
           f"margin {run.click_margin:+.4f} (target >= +{CLICK_MARGIN_TARGET}) -> {_verdict(run.click_margin)}")
-    popularity_margin = table.auc[MODEL]["click"] - table.auc["item popularity"]["click"]
-    print(f"click: {MODEL} vs item popularity: {popularity_margin:+.4f} -> {'beats' if popularity_margin > 0 else 'LOSES TO'} it")
+    margin = run.click_margin_vs_popularity
+    print(f"click: {MODEL} vs item popularity: {margin:+.4f} -> {'beats' if margin > 0 else 'LOSES TO'} it")
     if run.training is not None:
         t = run.training
         print(f"training: {t.steps} steps, best epoch {t.best_epoch} of {len(t.epochs)}, "

@@ -37,6 +37,7 @@ import numpy as np
 
 from data import schema
 from data.dataset import InferenceDataset
+from data.jagged import sorted_lookup
 from data.synthetic import generate
 from data.synthetic_world import SIGNALS, SyntheticConfig, World, intercept, sigmoid, signal_config
 from model.baselines import Interactions
@@ -62,8 +63,7 @@ def quality_posterior_mean(world: World, events: Interactions, click_rate: float
     videos, row = np.unique(events.video_ids, return_inverse=True)
     clicked = events.labels[:, 0] > 0.5
     log_lik = np.zeros((len(videos), len(QUALITY_GRID)))
-    for start in range(0, len(row), CHUNK_ROWS):
-        part = slice(start, start + CHUNK_ROWS)
+    for part in _chunks(len(row), CHUNK_ROWS):
         p = sigmoid(bias + slope * (rest[part, None] + QUALITY_GRID[None]))  # [chunk, G]
         np.add.at(log_lik, row[part], np.where(clicked[part, None], np.log(p), np.log1p(-p)))
     log_post = log_lik - QUALITY_GRID[None] ** 2 / (2 * max(quality_std, 1e-9) ** 2)
@@ -92,16 +92,16 @@ def bayes_click_probability(world: World, config: SyntheticConfig, training: Int
     videos, row = np.unique(training.video_ids, return_inverse=True)
     log_lik = np.zeros((len(videos), k, grid.shape[-1]), np.float32)  # each video's sightings, summed
     clicked = training.labels[:, 0] > 0.5
-    for part in _chunks(len(row)):
+    for part in _chunks(len(row), BAYES_CHUNK_ROWS):
         users, p = training.user_ids[part], click_probability(training.user_ids[part])
         np.add.at(log_lik, row[part], shown[users][:, :, None] + np.where(clicked[part, None, None], np.log(p), np.log1p(-p)))
     if quality_std > 0:
         log_prior = -grid ** 2 / (2 * quality_std ** 2)
     else:  # a world without quality: all the mass on the grid point at 0
         log_prior = np.where(np.abs(grid) == np.abs(grid).min(), 0.0, -np.inf)
-    index, seen = _lookup(videos, pairs.video_ids)
+    index, seen = sorted_lookup(videos, pairs.video_ids)
     probability, map_right = np.zeros(len(pairs.user_ids)), np.zeros(len(pairs.user_ids), bool)
-    for part in _chunks(len(probability)):
+    for part in _chunks(len(probability), BAYES_CHUNK_ROWS):
         users = pairs.user_ids[part]
         log_post = np.where(seen[part, None, None], log_lik[index[part]], 0.0) + log_prior + shown[users][:, :, None]
         post = np.exp(log_post - log_post.max(axis=(1, 2), keepdims=True))
@@ -111,20 +111,10 @@ def bayes_click_probability(world: World, config: SyntheticConfig, training: Int
     return probability, map_right
 
 
-def _chunks(n: int):
-    for start in range(0, n, BAYES_CHUNK_ROWS):
-        yield slice(start, start + BAYES_CHUNK_ROWS)
-
-
-def _data_rows(path: Path) -> int:
-    with open(path) as f:
-        return sum(1 for _ in f) - 1  # less the header
-
-
-def _lookup(keys: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """-> (index into sorted `keys`, found) for each of `wanted`."""
-    index = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
-    return index, keys[index] == wanted
+def _chunks(n: int, size: int):
+    """Slices of [0, n) of at most `size` rows: the posteriors are [rows, grid] or [rows, clusters, grid]."""
+    for start in range(0, n, size):
+        yield slice(start, start + size)
 
 
 def bounds(world: World, config: SyntheticConfig, split: QualitySplit) -> tuple[dict[str, float | None], list[dict]]:
@@ -140,7 +130,7 @@ def bounds(world: World, config: SyntheticConfig, split: QualitySplit) -> tuple[
         "propensity alone": world.propensity[u],
     }
     seen_videos, quality = quality_posterior_mean(world, training, click_rate, slope, quality_std)
-    index, seen = _lookup(seen_videos, v)
+    index, seen = sorted_lookup(seen_videos, v)
     scores["propensity + quality from sightings"] = world.propensity[u] + np.where(seen, quality[index], 0.0)
 
     exposure = np.zeros((world.num_users, num_clusters))
@@ -192,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as raw:
         summary = generate(raw, args.scale, args.seed, config, progress=False)
-        rows = {name: _data_rows(Path(raw) / name) for name in LOG_FILES}
+    rows = {name: summary.rows[name] for name in LOG_FILES}
     logged = dataset.manifest.counts.rows_read
     if any(logged.get(name) != count for name, count in rows.items()):
         print(f"error: {args.data_dir} was not made by data.synthetic --scale {args.scale} --seed {args.seed} "

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data.jagged import sorted_lookup
-from model.metrics import auc
+from model.metrics import SELECT_ON, auc, selection_score
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class MatrixFactorization:
 
     def __init__(self, dim: int = 16, steps: int = 200, learning_rate: float = 0.05, l2: float = 1e-4,
                  eval_every: int = 10, patience: int = 3, seed: int = 0, select_on: str = "click_auc"):
-        if select_on not in ("loss", "click_auc"):
+        if select_on not in SELECT_ON:
             raise ValueError(f"select_on must be loss or click_auc, got {select_on!r}")
         self.dim, self.steps, self.learning_rate, self.l2 = dim, steps, learning_rate, l2
         self.eval_every, self.patience, self.seed, self.select_on = eval_every, patience, seed, select_on
@@ -174,13 +174,10 @@ class MatrixFactorization:
         """Lower is better: 1 - the holdout's click AUC, or its mean BCE over every task."""
         with torch.no_grad():
             held = self._logits(holdout.user_ids, holdout.video_ids)
-        if self.select_on == "loss":
-            return float(F.binary_cross_entropy_with_logits(held, torch.from_numpy(holdout.labels)))
-        click_auc = auc(held[:, 0].numpy(), holdout.labels[:, 0])
-        if click_auc is None:
-            raise ValueError("matrix factorisation: the holdout's click AUC is undefined (its pairs are all "
-                             "clicked or none is): select on the loss instead (select_on='loss')")
-        return 1.0 - click_auc
+        loss = float(F.binary_cross_entropy_with_logits(held, torch.from_numpy(holdout.labels)))
+        click_auc = auc(held[:, 0].numpy(), holdout.labels[:, 0]) if self.select_on == "click_auc" else None
+        return selection_score(self.select_on, loss, click_auc,
+                               "select matrix factorisation's checks on the loss instead (select_on='loss')")
 
     def score(self, user_ids: np.ndarray, video_ids: np.ndarray) -> np.ndarray:
         with torch.no_grad():

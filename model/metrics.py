@@ -29,3 +29,16 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
 def per_task_auc(logits: np.ndarray, labels: np.ndarray, task_names: tuple[str, ...]) -> dict[str, float | None]:
     """logits, labels: [num_candidates, num_tasks]."""
     return {name: auc(logits[:, t], labels[:, t]) for t, name in enumerate(task_names)}
+
+
+SELECT_ON = ("click_auc", "loss")  # holdout scores that can pick what a fit keeps (an epoch, a check)
+
+
+def selection_score(select_on: str, holdout_loss: float, click_auc: float | None, remedy: str) -> float:
+    """Lower is better: the holdout loss, or 1 - its click AUC. The AUC is undefined when the holdout's
+    candidates are all clicked or none is; `remedy` says what to do then."""
+    if select_on == "loss":
+        return holdout_loss
+    if click_auc is None:
+        raise ValueError(f"the holdout's click AUC is undefined (its candidates are all clicked or none is): {remedy}")
+    return 1.0 - click_auc

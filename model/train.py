@@ -34,7 +34,7 @@ from data.schema import TASKS
 from model.checkpoint import save_checkpoint
 from model.config import PRESET_NAMES, HSTUConfig, preset
 from model.evaluation import EarlyStopping, score_requests, window_batch
-from model.metrics import per_task_auc
+from model.metrics import SELECT_ON, per_task_auc, selection_score
 from model.recommender import HSTURecommender, ModelInputs
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ DEFAULT_SPLIT_DATE = 20220422  # first day of the second standard log
 # (query rows, key rows) of the blocked attention while training: cropped windows are short, and
 # the backward pays for every padded slot of a block, so blocks smaller than serving's pay off.
 TRAINING_ATTENTION_BLOCKS = (128, 128)
-SELECT_ON = ("click_auc", "loss")  # holdout scores that can pick the kept epoch
 
 
 @dataclass(frozen=True)
@@ -285,7 +284,9 @@ def train(
         epochs.append(EpochReport(epoch + 1, step, loss_ema, holdout_loss, auc, time.perf_counter() - epoch_started))
         tqdm.write(f"epoch {epoch + 1}: train loss {loss_ema:.4f}, holdout loss {holdout_loss:.4f}, "
                    f"holdout click AUC {_fmt(auc.get('click'))}", file=sys.stderr)
-        if stopper.update(epoch + 1, _selection_score(params.select_on, holdout_loss, auc), model) or out_of_time:
+        score = selection_score(params.select_on, holdout_loss, auc.get("click"),
+                                "select epochs on the loss instead (--select_on loss)")
+        if stopper.update(epoch + 1, score, model) or out_of_time:
             break
     stopper.restore_best(model)
     for table in _sparse_tables(model):
@@ -301,16 +302,6 @@ def train(
         epochs=epochs,
     )
     return model, report
-
-
-def _selection_score(select_on: str, holdout_loss: float, auc: dict[str, float | None]) -> float:
-    """Lower is better: the holdout loss, or 1 - its click AUC."""
-    if select_on == "loss":
-        return holdout_loss
-    if auc.get("click") is None:
-        raise ValueError("the holdout's click AUC is undefined (its candidates are all clicked or none is): "
-                         "select epochs on the loss instead (--select_on loss)")
-    return 1.0 - auc["click"]
 
 
 def _fmt(value: float | None) -> str:

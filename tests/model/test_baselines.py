@@ -117,3 +117,13 @@ def test_quality_benchmark_script(processed, tmp_path):
     assert "click: HSTU" in result.stdout and "candidates/s" in result.stdout and "over 2 seeds" in result.stdout
     for seed in (0, 3):
         assert load_checkpoint(tmp_path / "ckpt" / f"seed_{seed}").metadata["params"]["seed"] == seed
+
+
+def test_quality_benchmark_refuses_a_repeated_seed(processed, tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmark" / "quality_benchmark.py"), "--data_dir", str(processed),
+         "--checkpoint", str(tmp_path / "ckpt"), "--seeds", "1", "1", "--output", str(tmp_path / "q.json")],
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )
+    assert result.returncode == 2 and "--seeds repeats a seed: [1, 1]" in result.stderr
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "q.json").exists()

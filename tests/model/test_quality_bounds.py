@@ -94,3 +94,13 @@ def test_quality_bounds_refuses_data_of_another_world(processed, tmp_path):
     assert result.returncode == 2
     assert "was not made by data.synthetic --scale 0.002 --seed 4 --signal mixed" in result.stderr
     assert not out.exists()
+
+
+def test_quality_bounds_names_a_missing_data_dir(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmark" / "quality_bounds.py"), "--data_dir", str(tmp_path / "nope"),
+         "--scale", "0.002", "--seed", "3", "--signal", "mixed", "--output", str(tmp_path / "out.json")],
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )
+    assert result.returncode == 2 and "error:" in result.stderr and "nope" in result.stderr
+    assert not (tmp_path / "out.json").exists()
