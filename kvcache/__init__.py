@@ -17,6 +17,7 @@ from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
 from .events import CacheEvent, CacheEventListener, CacheLocation
 from .manager import KVCacheManager
 from .metadata import KVCacheMetadata
+from .page_data import PageData
 from .policy import EvictionPolicy, LFUPolicy, LRUPolicy
 from .stats import CacheStats
 from .storage import (
@@ -53,6 +54,7 @@ __all__ = [
     "KVCacheStaleError",
     "LFUPolicy",
     "LRUPolicy",
+    "PageData",
     "PageLayout",
     "TierDataError",
     "TieredHostStorage",

@@ -103,6 +103,14 @@ class KVCacheManager:
         self._pool.wait_for_layer(layer)
         return self._pool.v_cache(layer)
 
+    def times_cache(self) -> Tensor:
+        """[num_pages + 1, page_size] int64: the time of the token in every slot (the caller's values,
+        written with `paged_kvcache_ops.append_times`), moved with its page like K/V. On CUDA the
+        current stream first waits (on the device) for layer 0 of the onloads issued so far, which
+        carries their times."""
+        self._pool.wait_for_layer(0)
+        return self._pool.times_cache()
+
     def wait_for_onloads(self) -> None:
         """Make the current CUDA stream wait for every layer of the onloads issued so far (no host sync;
         no-op on CPU). A CUDA graph replay, which reads the pool without asking `k_cache`, needs it."""
@@ -137,6 +145,11 @@ class KVCacheManager:
             raise IndexError(f"layer {layer} out of range for {self.config.num_layers} layers.")
         with self._lock:
             return self._residency.read_kv(user_id, layer)
+
+    def read_times(self, user_id: int) -> Tensor:
+        """The committed tokens' times of a user, [cached_len] int64 on the device (a copy)."""
+        with self._lock:
+            return self._residency.read_times(user_id)
 
     # ------------------------------------------------------------------ prepare / commit / rollback
     def prepare_kv_cache(

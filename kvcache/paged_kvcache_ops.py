@@ -6,6 +6,10 @@ indexed by slot. Both ops are one pass over the layer:
 
     append_kvcache(k_cache, v_cache, new_k, new_v, new_token_slots)   # in place, new_k/new_v [N, H, D]
     k, v = gather_kvcache(k_cache, v_cache, kv_slots)                 # [T, H, D] each
+    append_times(times_cache, new_times, new_token_slots)             # in place, new_times [N] int64
+
+The tokens' times (`KVCacheManager.times_cache()`, `[num_pages, page_size]` int64) are written once
+per batch, not per layer, at the same slots.
 
 They are `torch.library` custom ops (namespace `hstu_kvcache`) with fake implementations, so
 they trace under `torch.compile`. On CUDA, append is one Triton launch for K and V of the whole
@@ -108,6 +112,17 @@ def _append_kvcache_cuda(k_cache: Tensor, v_cache: Tensor, new_k: Tensor, new_v:
 @append_kvcache.register_fake
 def _append_kvcache_fake(k_cache: Tensor, v_cache: Tensor, new_k: Tensor, new_v: Tensor, new_token_slots: Tensor) -> None:
     _check_append(k_cache, v_cache, new_k, new_v, new_token_slots)
+
+
+def append_times(times_cache: Tensor, new_times: Tensor, new_token_slots: Tensor) -> None:
+    """Write new_times[i] into slot new_token_slots[i] of times_cache (in place): one op for the batch."""
+    if times_cache.dim() != 2 or times_cache.dtype != torch.int64 or not times_cache.is_contiguous():
+        raise ValueError(f"times_cache must be a contiguous [num_pages, page_size] int64 tensor, got "
+                         f"{times_cache.dtype} of shape {tuple(times_cache.shape)}.")
+    if new_times.dtype != torch.int64 or new_times.shape != new_token_slots.shape:
+        raise ValueError(f"new_times must be int64 of shape {tuple(new_token_slots.shape)} (one per slot), got "
+                         f"{new_times.dtype} of shape {tuple(new_times.shape)}.")
+    times_cache.view(-1).index_copy_(0, new_token_slots, new_times)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::gather_kvcache", mutates_args=())

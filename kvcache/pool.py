@@ -1,7 +1,9 @@
 """The device page pool: preallocated K/V pages for every layer, a free list, and page moves.
 
 All layers live in one tensor `[num_layers, 2 (K, V), num_pages + 1, page_size, heads, head_dim]`:
-`k_cache(l)` is a contiguous view (what paged kernels want). On CPU a user's pages over all
+`k_cache(l)` is a contiguous view (what paged kernels want). Each token's time lives beside it in
+`times [num_pages + 1, page_size]` int64 (`times_cache()`), addressed by the same slots, and moves
+with its page. On CPU a user's pages over all
 layers move to or from the host tier in one `index_select` / `index_copy_`; on CUDA an onload
 moves them layer by layer on its own stream, so that compute waits for each layer only
 (`OnloadEvents`). The pool knows nothing about users: the manager owns the page lists, the
@@ -18,6 +20,7 @@ from torch import Tensor
 
 from .config import PageLayout
 from .onload_events import OnloadEvents
+from .page_data import PageData
 from .paged_kvcache_ops import as_words
 
 Pages = array | Sequence[int]  # page ids; the pool hands out array("q")
@@ -37,6 +40,7 @@ class DevicePagePool:
             dtype=layout.dtype,
             device=device,
         )
+        self.times = torch.zeros((num_pages + 1, layout.page_size), dtype=torch.int64, device=device)
         # Page ids are kept in int64 arrays (here and in the manager's page lists): compact, and no
         # per-page Python objects to chase through memory when there are many users.
         self._free = array("q", range(num_pages - 1, -1, -1))  # a stack: low pages are handed out first
@@ -60,6 +64,9 @@ class DevicePagePool:
 
     def v_cache(self, layer: int) -> Tensor:
         return self.kv[layer, 1]
+
+    def times_cache(self) -> Tensor:
+        return self.times
 
     # --- free list ---
     @property
@@ -103,8 +110,8 @@ class DevicePagePool:
             self._written = torch.cuda.Event()
             self._written.record(torch.cuda.current_stream(self.device))
 
-    def copy_out(self, pages: Pages, dst: Tensor) -> None:
-        """Copy `pages` into `dst` ([len(pages), *page_shape], any device and strides); returns when dst holds them.
+    def copy_out(self, pages: Pages, dst: PageData) -> None:
+        """Copy `pages` into `dst` (len(pages) pages, any device and strides); returns when dst holds them.
 
         On CUDA one gather (layer-major) and the device-to-host copies (one per layer when each
         layer of dst is contiguous, as in the in-memory tier) run on a side stream, after the last
@@ -113,32 +120,38 @@ class DevicePagePool:
         """
         if not self._cuda:
             idx = self._index(pages)
-            if dst.device == self.device:
-                _index_select_into(self._layer_rows(), idx, _pool_order(dst))
+            if dst.kv.device == self.device:
+                _index_select_into(self._layer_rows(), idx, _pool_order(dst.kv))
+                torch.index_select(self.times, 0, idx, out=dst.times)
             else:  # another accelerator: gather there, then a blocking copy
-                dst.copy_(self._gather(idx).transpose(0, 1).reshape(dst.shape))
+                dst.kv.copy_(self._gather(idx).transpose(0, 1).reshape(dst.kv.shape))
+                dst.times.copy_(self.times.index_select(0, idx))
             return
         stream = self._offload_stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             for event in (self._written, self._onload_events.last):
                 if event is not None:
                     stream.wait_event(event)
-            staged = self._gather(self._index(pages))  # [L, k, 2, S*H*D]
-            if _layers_contiguous(dst):
+            idx = self._index(pages)
+            staged = self._gather(idx)  # [L, k, 2, S*H*D]
+            kv = dst.kv
+            if _layers_contiguous(kv):
                 for layer in range(self.layout.num_layers):
-                    dst[:, layer].copy_(staged[layer].view(dst[:, layer].shape), non_blocking=True)
+                    kv[:, layer].copy_(staged[layer].view(kv[:, layer].shape), non_blocking=True)
             else:
-                dst.copy_(staged.transpose(0, 1).reshape(dst.shape), non_blocking=True)
+                kv.copy_(staged.transpose(0, 1).reshape(kv.shape), non_blocking=True)
+            dst.times.copy_(self.times.index_select(0, idx), non_blocking=True)
         stream.synchronize()
 
-    def copy_in(self, moves: Sequence[tuple[Pages, Tensor]]) -> None:
-        """Write each `src` ([len(pages), *page_shape], any device and strides) into its `pages`.
+    def copy_in(self, moves: Sequence[tuple[Pages, PageData]]) -> None:
+        """Write each `src` (len(pages) pages, any device and strides) into its `pages`.
 
         On CUDA the copies run on the onload stream, after the work already queued on the current
-        stream (the pages may have been freed by a batch still computing there), layer by layer:
-        layer l of every move goes into a staging buffer (one transfer per move: an asynchronous
-        DMA from pinned host memory whose layers are contiguous, as the in-memory tier's; other
-        sources are copied whole first), is scattered into the pages, and an event is recorded.
+        stream (the pages may have been freed by a batch still computing there): first the times of
+        every move, then layer by layer: layer l of every move goes into a staging buffer (one
+        transfer per move: an asynchronous DMA from pinned host memory whose layers are contiguous,
+        as the in-memory tier's; other sources are copied whole first), is scattered into the pages,
+        and an event is recorded (layer 0's covers the times).
         Returns at once. Compute waits for layer l on the device when it asks for layer l's pages
         (`wait_for_layer`); the host memory read must stay unchanged until `sync_onloads` (the
         manager calls it before any tier write).
@@ -146,14 +159,19 @@ class DevicePagePool:
         if not self._cuda:
             rows = self._layer_rows()
             for pages, src in moves:
-                _index_copy_into(rows, self._index(pages), _pool_order(src.to(self.device)))
+                idx = self._index(pages)
+                _index_copy_into(rows, idx, _pool_order(src.kv.to(self.device)))
+                self.times.index_copy_(0, idx, src.times.to(self.device))
             return
         stream = self._onload_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         lay = self.layout
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             idx = self._index(np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in moves]))
-            sources = [src if _layers_contiguous(src) else src.to(self.device, non_blocking=True) for _, src in moves]
+            times = torch.cat([src.times.to(self.device, non_blocking=True) for _, src in moves])
+            self.times.index_copy_(0, idx, times)
+            sources = [src.kv if _layers_contiguous(src.kv) else src.kv.to(self.device, non_blocking=True)
+                       for _, src in moves]
             # One layer of every move at a time, reused by every layer (stream order keeps it safe).
             staging = torch.empty(
                 (idx.numel(), 2, lay.page_size, lay.num_heads, lay.head_dim), dtype=lay.dtype, device=self.device

@@ -89,18 +89,34 @@ class Residency:
         lay, pool = self.layout, self.pool
         res = self.users.get(u)
         if res is not None and res.length:
-            pages = np.asarray(res.pages, dtype=np.int64)
-            slots = token_slots(pages, np.array([len(pages)]), np.array([0]), np.array([res.length]), lay.page_size)
             pool.wait_for_layer(layer)
-            idx = torch.from_numpy(slots).to(pool.device)
+            idx = self._committed_slots(res)
             return paged_kvcache_ops.gather_kvcache(pool.k_cache(layer), pool.v_cache(layer), idx)
         hp = self.host.read(u) if self.host.info(u) is not None else None
         if hp is None:
             empty = torch.zeros((0, lay.num_heads, lay.head_dim), dtype=lay.dtype, device=pool.device)
             return empty, empty.clone()
-        kv = hp.pages[:, layer].transpose(0, 1).reshape(2, -1, lay.num_heads, lay.head_dim)[:, : hp.length]
+        kv = hp.pages.kv[:, layer].transpose(0, 1).reshape(2, -1, lay.num_heads, lay.head_dim)[:, : hp.length]
         kv = kv.to(pool.device, copy=True)
         return kv[0], kv[1]
+
+    def read_times(self, u: int) -> Tensor:
+        """The user's committed tokens' times, [length] int64 on the device, from the device pages or else
+        the host tier (empty when neither holds the user)."""
+        pool = self.pool
+        res = self.users.get(u)
+        if res is not None and res.length:
+            pool.wait_for_layer(0)
+            return pool.times_cache().view(-1).index_select(0, self._committed_slots(res))
+        hp = self.host.read(u) if self.host.info(u) is not None else None
+        if hp is None:
+            return torch.zeros(0, dtype=torch.int64, device=pool.device)
+        return hp.pages.times.reshape(-1)[: hp.length].to(pool.device, copy=True)
+
+    def _committed_slots(self, res: Resident) -> Tensor:
+        pages = np.asarray(res.pages, dtype=np.int64)
+        slots = token_slots(pages, np.array([len(pages)]), np.array([0]), np.array([res.length]), self.layout.page_size)
+        return torch.from_numpy(slots).to(self.pool.device)
 
     def prefetch(self, user_ids: list[int]) -> int:
         """Onload the host-only users among `user_ids` whose pages can be freed without evicting one of

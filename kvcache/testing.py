@@ -1,8 +1,8 @@
 """Helpers for tests, benchmarks and tools that drive the cache without a model.
 
-`token_kv` gives every (user, position, layer) a deterministic K and V, so a reader can check
-any cached token without keeping a copy; `serve` runs one batch the way the model does
-(prepare, append every layer, commit).
+`token_kv` gives every (user, position, layer) a deterministic K and V, and `token_times` every
+(user, position) a time, so a reader can check any cached token without keeping a copy; `serve`
+runs one batch the way the model does (prepare, append the times and every layer, commit).
 """
 from __future__ import annotations
 
@@ -32,13 +32,26 @@ def token_kv(layout: PageLayout, user_id: int, positions: Tensor, salt: int = 0)
     return mixed.to(layout.dtype)
 
 
+def token_times(user_id: int, positions: Tensor) -> Tensor:
+    """Deterministic time of a user's tokens: [N] int64 (distinct across users and positions)."""
+    return 1_600_000_000_000 + user_id * 1_000_000_000 + positions.to(torch.int64) * 1_000
+
+
+def new_token_times(meta: KVCacheMetadata) -> Tensor:
+    """`token_times` of every new token of a prepared batch, users concatenated: [N] int64."""
+    first = (meta.cached_start_pos + meta.cached_lengths).tolist()
+    parts = [token_times(u, torch.arange(s, s + n)) for u, s, n in zip(meta.user_ids, first, meta.new_lengths.tolist())]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
 def append_batch(mgr: KVCacheManager, meta: KVCacheMetadata, kv: Tensor) -> None:
-    """Append `kv` ([2, num_layers, N, H, D], N = meta.num_new_tokens) into every layer, as the model does."""
+    """Append `kv` ([2, num_layers, N, H, D], N = meta.num_new_tokens) into every layer and the tokens'
+    `token_times`, as the model does."""
     kv = kv.to(mgr.config.device)
+    slots = meta.new_token_slots.to(mgr.config.device)
+    paged_kvcache_ops.append_times(mgr.times_cache(), new_token_times(meta).to(mgr.config.device), slots)
     for layer in range(mgr.config.num_layers):
-        paged_kvcache_ops.append_kvcache(
-            mgr.k_cache(layer), mgr.v_cache(layer), kv[0, layer], kv[1, layer], meta.new_token_slots.to(mgr.config.device)
-        )
+        paged_kvcache_ops.append_kvcache(mgr.k_cache(layer), mgr.v_cache(layer), kv[0, layer], kv[1, layer], slots)
 
 
 def new_token_kv(layout: PageLayout, meta: KVCacheMetadata, start_pos: Sequence[int], values: ValueFn) -> Tensor:
@@ -70,6 +83,11 @@ def serve(
         raise
     mgr.commit(meta)
     return meta
+
+
+def expected_times(user_id: int, start: int, length: int) -> Tensor:
+    """What `read_times(user_id)` must return for tokens [start, start + length) appended by `append_batch`."""
+    return token_times(user_id, torch.arange(start, start + length))
 
 
 def expected_kv(layout: PageLayout, user_id: int, start: int, length: int, layer: int, salt: int = 0) -> tuple[Tensor, Tensor]:

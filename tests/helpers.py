@@ -306,6 +306,37 @@ def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:
     return model
 
 
+# ---- host pages (kvcache.PageData) ------------------------------------------------------
+def host_pages(layout, n: int, value: float | None = None, seed: int | None = None):
+    """`n` host pages: every K/V entry `value` and token i of page p at time int(value) * 1000 + p * page_size + i,
+    or (with `seed`) random bits in both (any bit pattern must survive a tier, NaNs included)."""
+    from kvcache.page_data import PageData
+
+    shape = (n, *layout.page_shape)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        kv_bits = torch.randint(0, 256, (n * layout.kv_nbytes,), dtype=torch.uint8, generator=g)
+        times = torch.randint(-(2**62), 2**62, (n, layout.page_size), dtype=torch.int64, generator=g)
+        return PageData(kv_bits.view(layout.dtype).view(shape), times)
+    slots = torch.arange(n * layout.page_size, dtype=torch.int64).view(n, layout.page_size)
+    return PageData(torch.full(shape, float(value), dtype=layout.dtype), int(value) * 1000 + slots)
+
+
+def cat_pages(parts):
+    from kvcache.page_data import PageData
+
+    return PageData(torch.cat([p.kv for p in parts]), torch.cat([p.times for p in parts]))
+
+
+def pages_equal(a, b) -> bool:
+    """Bit-identical K/V and times (NaN bits included)."""
+    def bits(t):
+        return t.contiguous().view(torch.uint8)
+
+    return (a.kv.shape == b.kv.shape and a.kv.dtype == b.kv.dtype and torch.equal(bits(a.kv), bits(b.kv))
+            and torch.equal(a.times, b.times))
+
+
 # ---- cache geometry shared by a test and the subprocesses it starts ----------------------
 # The tier tests' layout: 2 layers, 1 head, head_dim 2, 4 tokens a page, fp32 -> 128-byte pages.
 TINY_LAYOUT_ARGS = dict(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)

@@ -7,11 +7,12 @@ of a `PageLayout`:
   page i holds token positions `[start_pos + i * page_size, start_pos + (i + 1) * page_size)`,
   the last page possibly partial. An entry is always a valid prefix of what the device held
   for that user: a tier may drop a whole entry, never return part of one or stale data.
-* A page is `[num_layers, 2, page_size, num_heads, head_dim]` (K and V of all layers), so
-  pages move as `[k, *page_shape]` tensors. Their strides are the tier's choice (the dims
-  of a page row, `page_size, num_heads, head_dim`, dense): tiers that store bytes use page-major
-  tensors (a page is one contiguous blob); the in-memory tier hands out layer-major views (a
-  layer of a user is one contiguous block, copied to the device in one DMA).
+* A page is K and V of all layers (`[num_layers, 2, page_size, num_heads, head_dim]`) and each
+  token's time (`[page_size]` int64), so pages move as `kvcache.PageData` (`kv [k, *page_shape]`,
+  `times [k, page_size]`). Their strides are the tier's choice (the dims of a page row,
+  `page_size, num_heads, head_dim`, dense): tiers that store bytes use page blobs (a page is one
+  contiguous run of bytes); the in-memory tier hands out layer-major views (a layer of a user is
+  one contiguous block, copied to the device in one DMA).
 * Writes are incremental: `write(user, start_pos, length, first_page, fill)` replaces pages
   `[first_page, ceil(length / page_size))` and keeps pages `[0, first_page)`: offloading
   after a visit writes only the rewritten last partial page and the new ones.
@@ -26,12 +27,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from typing import NamedTuple
 
-from torch import Tensor
-
 from ..config import PageLayout
+from ..page_data import PageData
 
-# Fills a host tensor [k, *page_shape] with pages; returns once the tensor holds them.
-PageFill = Callable[[Tensor], None]
+# Fills host pages (k of them) with pages; returns once they hold them.
+PageFill = Callable[[PageData], None]
 
 
 class HostEntry(NamedTuple):
@@ -43,7 +43,7 @@ class HostEntry(NamedTuple):
 class HostPages(NamedTuple):
     start_pos: int
     length: int
-    pages: Tensor  # [ceil(length / page_size), *page_shape], valid until the next write of this user
+    pages: PageData  # ceil(length / page_size) pages, valid until the next write of this user
     tag: bytes = b""
 
     @property
@@ -121,7 +121,7 @@ class HostKVStorage(ABC):
 
         `first_page > 0` requires an entry with the same `start_pos` holding at least
         `first_page` pages (a ValueError otherwise: the caller's bookkeeping is wrong).
-        `fill(dst)` writes the pages into `dst` ([k, *page_shape] on the host). The tier may
+        `fill(dst)` writes the pages into `dst` (k pages on the host). The tier may
         drop other users to make room and says which, but never `user_id` nor the users in
         `protect` (the caller is about to read them). A user that does not fit beside the
         protected ones is not stored (`stored=False`, nothing changed). If `fill` raises, the

@@ -4,8 +4,8 @@ Directory (one `DiskHostStorage` per directory at a time, held by an `flock` on 
 
     layout.json                       the PageLayout of the pages; `bind` refuses another one
     users/{uid % 256:02x}/{uid}.idx   the user's entry: its commit point
-    users/{..}/{uid}_{page}_{seq}.kv  one page as written by write number `seq`: page_nbytes raw
-                                      bytes, page-major [num_layers, 2, page_size, heads, head_dim]
+    users/{..}/{uid}_{page}_{seq}.kv  one page as written by write number `seq`: its blob of
+                                      page_nbytes bytes (kvcache/page_data.py: K/V, then times)
 
 An index file (little-endian) is `HSTUKVI1`, start_pos i64, length i64, pages u32, tag bytes u32,
 the tag, per page the write number naming its file (u64) and the page's crc32 (u32), and last the
@@ -41,12 +41,13 @@ from typing import NamedTuple
 import numpy as np
 
 from ..config import PageLayout
+from ..page_data import blob_pages
 from .base import HostEntry, HostPages, HostWriteResult, PageFill
 from .lru import BytesBoundedTier, BytesLRU
-from .page_codec import StagingPages, byte_rows, new_pages, page_crcs
+from .page_codec import StagingPages, byte_rows, page_crcs
 
 FORMAT = "hstu-kvcache-disk"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: pages carry their tokens' times
 _MAGIC = b"HSTUKVI1"
 _HEADER = struct.Struct("<8sqqII")  # magic, start_pos, length, pages, tag bytes
 _PAGE_RECORD = 12  # u64 write number + u32 crc32
@@ -123,12 +124,12 @@ class DiskHostStorage(BytesBoundedTier):
 
     # ------------------------------------------------------------------ the contract
     def read(self, user_id: int) -> HostPages | None:
-        """The user's pages in a fresh tensor, one read per page file, each checked against its crc32."""
+        """The user's pages in fresh memory, one read per page file, each checked against its crc32."""
         e = self._users.get(user_id)
         if e is None:
             return None
         layout = self.layout
-        out = new_pages(layout, len(e.seqs))
+        out = blob_pages(layout, len(e.seqs))
         rows = byte_rows(out)
         shard = self._shard(user_id)
         for i, seq in enumerate(e.seqs.tolist()):

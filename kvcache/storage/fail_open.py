@@ -32,11 +32,12 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
+import torch
 from torch import Tensor
 
 from ..config import PageLayout
+from ..page_data import PageData, empty_pages
 from .base import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill, TierDataError, sum_counters
-from .page_codec import new_pages
 
 log = logging.getLogger("kvcache")
 T = TypeVar("T")
@@ -136,7 +137,7 @@ class FailOpenStorage(HostKVStorage):
     ) -> HostWriteResult:
         fill_errors: list[BaseException] = []
         if self._worker is None:
-            def tier_fill(dst: Tensor) -> None:
+            def tier_fill(dst: PageData) -> None:
                 try:
                     fill(dst)
                 except BaseException as exc:  # the caller's failure, not the tier's: re-raised below
@@ -149,10 +150,10 @@ class FailOpenStorage(HostKVStorage):
                 self.skipped += 1
                 return _NOT_STORED
             pages = max(self.layout.num_pages(length) - first_page, 0)  # a bad range: the tier refuses it
-            staged = new_pages(self.layout, pages)
+            staged = empty_pages(self.layout, pages)
             fill(staged)
 
-            def tier_fill(dst: Tensor) -> None:
+            def tier_fill(dst: PageData) -> None:
                 dst.copy_(staged)
         result = self._call(
             "write", lambda: self.inner.write(user_id, start_pos, length, first_page, tier_fill, protect, tag),
@@ -250,10 +251,15 @@ class FailOpenStorage(HostKVStorage):
         if not isinstance(hp, HostPages) or not _valid_entry(hp.entry):
             return f"read returned {hp!r:.200}"
         pages, layout = hp.pages, self.layout
-        expected = (layout.num_pages(hp.length), *layout.page_shape)
-        if not isinstance(pages, Tensor) or tuple(pages.shape) != expected or pages.dtype != layout.dtype:
-            got = (tuple(pages.shape), pages.dtype) if isinstance(pages, Tensor) else type(pages).__name__
-            return f"read returned pages {got} for {hp.length} tokens, expected {expected} {layout.dtype}"
+        n = layout.num_pages(hp.length)
+        if not isinstance(pages, PageData) or not all(isinstance(t, Tensor) for t in (pages.kv, pages.times)):
+            return f"read returned pages of type {type(pages).__name__} for {hp.length} tokens"
+        expected = {"kv": ((n, *layout.page_shape), layout.dtype), "times": ((n, layout.page_size), torch.int64)}
+        for name, (shape, dtype) in expected.items():
+            got = getattr(pages, name)
+            if tuple(got.shape) != shape or got.dtype != dtype:
+                return (f"read returned page {name} {tuple(got.shape)} {got.dtype} for {hp.length} tokens, "
+                        f"expected {shape} {dtype}")
         return None
 
 

@@ -4,9 +4,10 @@ A host tier on a CUDA machine lives in pinned memory, so that onloads and offloa
 asynchronous DMA copies. Pinning is expensive (milliseconds per allocation, a driver call that
 serialises with the GPU), so the slab is pinned once, when the tier is bound to its layout, and
 every later write reuses it: no pinned allocation while serving. A user's pages are one
-contiguous range of the slab, stored layer-major inside it (`[num_layers, range pages, 2,
+contiguous range of the slab, its K/V stored layer-major inside it (`[num_layers, range pages, 2,
 page_size, heads, head_dim]`): one layer of a user is one contiguous block, so an onload
-copies it to the device in one DMA and compute waits for that layer only.
+copies it to the device in one DMA and compute waits for that layer only. The pages' token
+times are a slab of their own beside it (`[num_pages, page_size]` int64, the same page numbers).
 
 Ranges are handed out first-fit from a sorted list of free ranges, coalesced on free. The slab
 knows nothing about users; the tier decides whom to evict when no range fits.
@@ -19,7 +20,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 from ..config import PageLayout
-from .page_codec import new_pages
+from ..page_data import PageData, empty_kv, empty_times
 
 
 class PageRange(NamedTuple):
@@ -32,28 +33,30 @@ class HostPageSlab:
 
     def __init__(self, layout: PageLayout, num_pages: int, pin_memory: bool) -> None:
         self.layout = layout
-        self.pages: Tensor = new_pages(layout, num_pages, pin_memory=pin_memory)  # [num_pages, *page_shape] of memory
+        self.kv: Tensor = empty_kv(layout, num_pages, pin_memory=pin_memory)  # [num_pages, *page_shape] of memory
+        self.times: Tensor = empty_times(layout, num_pages, pin_memory=pin_memory)  # [num_pages, page_size]
         self.pinned = pin_memory
         self.allocations = 1  # host allocations made for pages: this one, ever
         self._starts: list[int] = [0] if num_pages else []  # free ranges, sorted by start
         self._lengths: dict[int, int] = {0: num_pages} if num_pages else {}
         self.num_free = num_pages
 
-    def view(self, r: PageRange, stop: int | None = None, start: int = 0) -> Tensor:
-        """Pages `[start, stop)` of the range (all of it by default), [stop - start, *page_shape]: a view of
-        the slab with the range's layer-major strides (`pages[:, layer]` is contiguous).
+    def view(self, r: PageRange, stop: int | None = None, start: int = 0) -> PageData:
+        """Pages `[start, stop)` of the range (all of it by default), as views of the slab: K/V with the
+        range's layer-major strides (`kv[:, layer]` is contiguous), and their times.
 
-        Built by one `as_strided` (a slice and reshapes would be five ops, on a path that counts them):
-        the range holds `[num_layers, r.pages, 2, page_size, heads, head_dim]`.
+        The K/V view is one `as_strided` (a slice and reshapes would be five ops, on a path that counts
+        them): the range holds `[num_layers, r.pages, 2, page_size, heads, head_dim]`.
         """
         lay = self.layout
         row = lay.page_size * lay.num_heads * lay.head_dim  # one page of one layer's K (or V)
         stop = r.pages if stop is None else stop
-        return self.pages.as_strided(
+        kv = self.kv.as_strided(
             (stop - start, lay.num_layers, 2, lay.page_size, lay.num_heads, lay.head_dim),
             (2 * row, r.pages * 2 * row, row, lay.num_heads * lay.head_dim, lay.head_dim, 1),
-            self.pages.storage_offset() + r.start * lay.num_layers * 2 * row + start * 2 * row,
+            self.kv.storage_offset() + r.start * lay.num_layers * 2 * row + start * 2 * row,
         )
+        return PageData(kv, self.times[r.start + start : r.start + stop])
 
     def alloc(self, n: int) -> PageRange | None:
         """A free range of `n` pages (the lowest that fits), or None when none is that long."""

@@ -9,9 +9,10 @@ another one's K/V, it sees other keys):
 
 * `P:u:{user}:meta`  hash: start_pos, length, pages, tag, crc (little-endian crc32 per page),
   pv (comma-separated version of each page), version (of the last write);
-* `P:u:{user}:p:{version}:{i}`  page `i` as written by write `version`: one page-major
-  `[L, 2, S, H, D]` blob. Page keys are never overwritten (versions come from `INCR P:seq`), so
-  pages referenced by a meta are exactly the bytes that meta's checksums describe;
+* `P:u:{user}:p:{version}:{i}`  page `i` as written by write `version`: its blob
+  (kvcache/page_data.py: K/V `[L, 2, S, H, D]`, then the tokens' times). Page keys are never
+  overwritten (versions come from `INCR P:seq`), so pages referenced by a meta are exactly the
+  bytes that meta's checksums describe;
 * `P:lru` (zset user -> access stamp), `P:sizes` (hash user -> page bytes), `P:bytes` (their
   sum), `P:seq` (the counter behind versions and access stamps), shared by all writers.
 
@@ -36,9 +37,9 @@ from typing import NamedTuple, NoReturn
 
 import numpy as np
 import redis
-import torch
 
 from ..config import PageLayout
+from ..page_data import blob_pages
 from .base import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill, TierDataError, check_write
 from .page_codec import StagingPages, byte_rows, page_crcs
 
@@ -210,8 +211,9 @@ class _Meta(NamedTuple):
 
 
 def layout_hash(layout: PageLayout) -> str:
-    """A short stable id of the page geometry and dtype (part of every key)."""
-    text = f"{layout.num_layers}x{layout.num_heads}x{layout.head_dim}:page{layout.page_size}:{layout.dtype}"
+    """A short stable id of the page format: geometry, dtype and blob size (part of every key)."""
+    text = (f"{layout.num_layers}x{layout.num_heads}x{layout.head_dim}:page{layout.page_size}:{layout.dtype}"
+            f":{layout.page_nbytes}B")
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -290,7 +292,7 @@ class RedisHostStorage(HostKVStorage):
             self._bad_entry(user_id, b"", f"malformed meta: {exc!r}")
 
     def read(self, user_id: int) -> HostPages | None:
-        """The user's pages in a fresh tensor, each checked against its size and crc32 in the meta.
+        """The user's pages in fresh memory, each checked against its size and crc32 in the meta.
 
         Two round trips: the meta (with the recency touch), then its pages straight into the
         tensor. Page keys are never rewritten, so pages that are all there are the ones the meta
@@ -305,7 +307,7 @@ class RedisHostStorage(HostKVStorage):
             if not raw:
                 return None
             meta = self._parse(user_id, dict(zip(raw[::2], raw[1::2])))
-            out = torch.empty((len(meta.versions), *layout.page_shape), dtype=layout.dtype)
+            out = blob_pages(layout, len(meta.versions))
             rows = byte_rows(out)
             lengths = self._pages.mget_into([self._page_key(user_id, v, i) for i, v in enumerate(meta.versions)], rows)
             if -1 not in lengths:

@@ -17,7 +17,7 @@ from kvcache import (
     KVCacheRequestError,
     KVCacheStaleError,
 )
-from kvcache.testing import append_batch, expected_kv, new_token_kv, serve, token_kv
+from kvcache.testing import append_batch, expected_kv, expected_times, new_token_kv, serve, token_kv
 
 
 def _config(**kw):
@@ -33,6 +33,7 @@ def _info(mgr, users):
 
 def _assert_holds(mgr, user, start, length, salt=0):
     assert _info(mgr, [user]) == [(start if length else 0, length)]
+    assert torch.equal(mgr.read_times(user).cpu(), expected_times(user, start, length)), f"user {user} times"
     for layer in range(mgr.config.num_layers):
         k, v = mgr.read_kv(user, layer)
         ek, ev = expected_kv(mgr.config.page_layout, user, start, length, layer, salt)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcache import KVCacheConfig, KVCacheManager, KVCacheStaleError
-from kvcache.testing import expected_kv, serve
+from kvcache.testing import expected_kv, expected_times, serve
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 2, 2, 4, 4
 
@@ -24,6 +24,7 @@ def _check_user(mgr, user, expect_end, window_start=0):
     start, length = (t.item() for t in mgr.get_user_kvdata_info([user]))
     if length:
         assert window_start <= start and start + length <= expect_end
+        assert torch.equal(mgr.read_times(user), expected_times(user, start, length)), f"stale times for user {user}"
         for layer in range(LAYERS):
             k, v = mgr.read_kv(user, layer)
             ek, ev = expected_kv(mgr.config.page_layout, user, start, length, layer)

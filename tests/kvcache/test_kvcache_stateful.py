@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvcache import KVCacheCapacityError, KVCacheConfig, KVCacheManager, KVCacheRequestError, KVCacheStaleError
-from kvcache.testing import append_batch, expected_kv, new_token_kv, token_kv
+from kvcache.testing import append_batch, expected_kv, expected_times, new_token_kv, token_kv
 
 USERS = st.integers(0, 5)
 PAGE_SIZE, NUM_PAGES = 3, 8
@@ -255,6 +255,7 @@ class CacheMachine(RuleBasedStateMachine):
     def data_matches(self):
         for u in range(6):
             start, length = self.data.get(u, (0, 0))
+            assert torch.equal(self.mgr.read_times(u), expected_times(u, start, length)), f"user {u} times"
             for layer in range(self.cfg.num_layers):
                 k, v = self.mgr.read_kv(u, layer)
                 ek, ev = expected_kv(self.cfg.page_layout, u, start, length, layer, self.salt.get(u, 0))

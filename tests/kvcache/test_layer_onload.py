@@ -2,10 +2,11 @@
 import pytest
 import torch
 
-from kvcache import DiskHostStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager
+from helpers import cat_pages, host_pages, pages_equal
+from kvcache import DiskHostStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, PageData
+from kvcache.page_data import blob_pages, empty_kv
 from kvcache.pool import DevicePagePool
-from kvcache.storage.page_codec import new_pages
-from kvcache.testing import expected_kv, serve
+from kvcache.testing import expected_kv, expected_times, serve
 
 NUM_LAYERS = 3
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="the onload stream and its events exist on CUDA only")
@@ -17,14 +18,13 @@ def _config(device="cpu", **kw):
 
 
 def _random_pages(layout, n, seed):
-    pages = new_pages(layout, n)
-    pages.copy_(torch.randn(pages.shape, generator=torch.Generator().manual_seed(seed)).to(layout.dtype))
-    return pages
+    return host_pages(layout, n, seed=seed)
 
 
 def _assert_holds(mgr, users, start, length):
     layout = mgr.config.page_layout
     for u in users:
+        assert torch.equal(mgr.read_times(u).cpu(), expected_times(u, start, length)), u
         for layer in range(NUM_LAYERS):
             k, v = mgr.read_kv(u, layer)
             k_want, v_want = expected_kv(layout, u, start, length, layer)
@@ -39,37 +39,42 @@ def test_memory_tier_hands_out_each_layer_of_a_user_as_one_block_and_keeps_them_
     assert tier.write(7, 0, 12, 0, lambda dst: dst.copy_(first)).stored
     assert tier.write(7, 0, 34, 2, lambda dst: dst.copy_(more[2:])).stored  # grows into a new range
     pages = tier.read(7).pages
-    assert pages.shape == (9, *layout.page_shape)
-    assert torch.equal(pages[:2], first[:2]) and torch.equal(pages[2:], more[2:])
-    block = pages[:, 0].numel() * pages.element_size()  # one layer of the user, every page
+    assert pages.kv.shape == (9, *layout.page_shape) and pages.times.shape == (9, layout.page_size)
+    assert pages_equal(pages[:2], first[:2]) and pages_equal(pages[2:], more[2:])
+    kv = pages.kv
+    block = kv[:, 0].numel() * kv.element_size()  # one layer of the user, every page
     for layer in range(NUM_LAYERS):
-        assert pages[:, layer].is_contiguous()
-        assert pages[:, layer].data_ptr() - pages.data_ptr() >= layer * block  # blocks in layer order, apart
+        assert kv[:, layer].is_contiguous()
+        assert kv[:, layer].data_ptr() - kv.data_ptr() >= layer * block  # blocks in layer order, apart
 
 
 def _layer_major(layout, pages, capacity):
     """`pages` as the in-memory tier hands them out: a view of a range of `capacity` pages, layer-major."""
-    storage = new_pages(layout, capacity).view(-1).view(NUM_LAYERS, capacity, 2, *layout.page_shape[2:])
-    storage[:, : len(pages)].copy_(pages.transpose(0, 1))
-    return storage[:, : len(pages)].transpose(0, 1)
+    n = pages.num_pages
+    storage = empty_kv(layout, capacity).view(-1).view(NUM_LAYERS, capacity, 2, *layout.page_shape[2:])
+    storage[:, :n].copy_(pages.kv.transpose(0, 1))
+    return PageData(storage[:, :n].transpose(0, 1), pages.times.clone())
 
 
 def test_pool_moves_pages_of_either_layout_bit_exactly_and_together(device):
     layout = _config().page_layout
     pool = DevicePagePool(layout, 16, torch.device(device))
-    first, second = _random_pages(layout, 3, 3), _random_pages(layout, 2, 4)
+    first, second = _random_pages(layout, 3, 3), blob_pages(layout, 2).copy_(_random_pages(layout, 2, 4))
     from_tier = _layer_major(layout, first, 8)
-    assert not from_tier.is_contiguous() and all(from_tier[:, layer].is_contiguous() for layer in range(NUM_LAYERS))
+    assert not from_tier.kv.is_contiguous() and all(from_tier.kv[:, layer].is_contiguous() for layer in range(NUM_LAYERS))
     pages = pool.alloc(5)[::-1]  # scattered, in reverse order
-    pool.copy_in([(pages[:3], from_tier), (pages[3:], second)])  # page-major `second`
+    pool.copy_in([(pages[:3], from_tier), (pages[3:], second)])  # page blobs `second`
     pool.wait_for_onloads()
-    src = torch.cat([first, second])
+    src = cat_pages([first, second])
+    bits = lambda t: t.contiguous().view(torch.uint8)  # random bits: NaNs compare by bits
     for layer in range(NUM_LAYERS):
         k, v = pool.k_cache(layer)[list(pages)].cpu(), pool.v_cache(layer)[list(pages)].cpu()
-        assert torch.equal(k, src[:, layer, 0]) and torch.equal(v, src[:, layer, 1])
-    for dst in (new_pages(layout, 5), _layer_major(layout, torch.zeros_like(src), 7)):
+        assert torch.equal(bits(k), bits(src.kv[:, layer, 0])) and torch.equal(bits(v), bits(src.kv[:, layer, 1]))
+    assert torch.equal(pool.times_cache()[list(pages)].cpu(), src.times)
+    zeros = PageData(torch.zeros_like(src.kv), torch.zeros_like(src.times))
+    for dst in (blob_pages(layout, 5), _layer_major(layout, zeros, 7)):
         pool.copy_out(pages, dst)
-        assert torch.equal(dst, src)
+        assert pages_equal(dst, src)
 
 
 @pytest.mark.parametrize("tier", ["memory", "disk"])
@@ -124,7 +129,7 @@ def test_an_offload_waits_for_the_onload_and_a_replay_for_every_layer():
         _onload_held_back(mgr, [1], [30])
         mgr.host_storage.drop(1)
         mgr.offload_kv_cache([1])  # right behind the held-back copies: must store the onloaded pages, not zeros
-        pages = mgr.host_storage.read(1).pages
+        pages = mgr.host_storage.read(1).pages.kv
         for layer in range(NUM_LAYERS):
             k_want, v_want = expected_kv(layout, 1, 0, 30, layer)
             assert torch.equal(pages[:, layer, 0].reshape(-1, *k_want.shape[1:])[:30], k_want)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import DISK_RESTART_CFG as CFG
-from helpers import TINY_LAYOUT_ARGS, subprocess_env
+from helpers import TINY_LAYOUT_ARGS, cat_pages, host_pages, pages_equal, subprocess_env
 from kvcache import DiskHostStorage, HostEntry, KVCacheConfig, KVCacheManager, PageLayout
 from kvcache.testing import append_batch, expected_kv, new_token_kv, serve, token_kv
 
@@ -22,8 +22,7 @@ PAGE = LAYOUT.page_nbytes  # 128 bytes
 
 
 def _pages(n, seed, layout=LAYOUT):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn((n, *layout.page_shape), generator=g).to(layout.dtype)
+    return host_pages(layout, n, seed=seed)
 
 
 def _fill(pages):
@@ -51,17 +50,17 @@ def test_round_trip_incremental_and_after_restart(tmp_path, page_size, dtype):
         length += new
         pages = _pages(layout.num_pages(length) - first, visit, layout)
         assert s.write(7, 10, length, first, _fill(pages), tag=f"v{visit}".encode()).stored
-        held = torch.cat([held[:first], pages])
+        held = cat_pages([held[:first], pages])
         hp = s.read(7)
         assert hp.entry == HostEntry(10, length, f"v{visit}".encode())
-        assert torch.equal(hp.pages.view(torch.uint8), held.view(torch.uint8))  # bit-identical
+        assert pages_equal(hp.pages, held)  # bit-identical
     files = _files(tmp_path)
     assert len([f for f in files if f.endswith(".kv")]) == layout.num_pages(length)  # superseded pages are gone
     s.close()
     again = _open(tmp_path, layout=layout)
     assert again.recovery.users == 1 and again.recovery.dropped == 0
     assert again.info(7) == HostEntry(10, length, b"v4") and again.bytes_used == s.bytes_used
-    assert torch.equal(again.read(7).pages.view(torch.uint8), held.view(torch.uint8))
+    assert pages_equal(again.read(7).pages, held)
 
 
 def test_rewrite_from_page_zero_gap_refusal_and_failed_fill(tmp_path):
@@ -69,7 +68,7 @@ def test_rewrite_from_page_zero_gap_refusal_and_failed_fill(tmp_path):
     s.write(1, 0, 8, 0, _fill(_pages(2, 1)))
     s.write(1, 5, 3, 0, _fill(_pages(1, 2)), tag=b"new window")
     hp = s.read(1)
-    assert hp.entry == (5, 3, b"new window") and torch.equal(hp.pages, _pages(1, 2))
+    assert hp.entry == (5, 3, b"new window") and pages_equal(hp.pages, _pages(1, 2))
     with pytest.raises(ValueError, match="gap"):
         s.write(1, 5, 12, 2, _fill(_pages(1, 3)))
     with pytest.raises(ValueError):
@@ -106,7 +105,7 @@ def test_corruption_is_detected_dropped_and_counted(tmp_path):
     assert s.counters() == {"corrupt_reads": 1}
     Path(next(Path(tmp_path, "users").rglob("3_0_*.kv"))).unlink()  # a missing page
     assert s.read(3) is None and s.corrupt_reads == 2
-    assert torch.equal(s.read(1).pages, _pages(3, 1))
+    assert pages_equal(s.read(1).pages, _pages(3, 1))
     s.close()
     # Damage found at start: a short page file, a corrupted index, leftovers of an interrupted write.
     s = _open(tmp_path)
@@ -123,7 +122,7 @@ def test_corruption_is_detected_dropped_and_counted(tmp_path):
     s = _open(tmp_path)
     assert s.recovery.dropped == 2 and s.recovery.removed_files >= 2 + 2 + 2  # pages of 1 and 4, the leftovers
     assert [u for u in (1, 2, 3, 4, 5) if s.info(u)] == [5]
-    assert torch.equal(s.read(5).pages, _pages(2, 5))
+    assert pages_equal(s.read(5).pages, _pages(2, 5))
     assert s.bytes_used == sum(p.stat().st_size for p in Path(tmp_path, "users").rglob("*") if p.is_file())
 
 
@@ -159,7 +158,7 @@ def test_bytes_stay_within_capacity_with_a_working_set_many_times_larger(tmp_pat
 RELOAD = """
 import sys, torch
 from kvcache import KVCacheConfig, KVCacheManager
-from kvcache.testing import expected_kv, serve
+from kvcache.testing import expected_kv, expected_times, serve
 cfg = KVCacheConfig(**{cfg!r}, persistent_dir=sys.argv[1])
 with KVCacheManager(cfg) as mgr:
     users = list(range(6))
@@ -170,6 +169,7 @@ with KVCacheManager(cfg) as mgr:
     mgr.commit(meta)
     assert mgr.stats().onloaded_bytes > 0
     for u in users:
+        assert torch.equal(mgr.read_times(u), expected_times(u, 3 * u, 5 + 3 * u)), u
         for layer in range(cfg.num_layers):
             k, v = mgr.read_kv(u, layer)
             ek, ev = expected_kv(cfg.page_layout, u, 3 * u, 5 + 3 * u, layer)
@@ -205,7 +205,7 @@ def _check_consistent(path, layout):
             hp = s.read(u)
             assert hp is not None, u
             salt = int(hp.tag.decode())
-            kv = hp.pages.permute(2, 1, 0, 3, 4, 5).reshape(2, layout.num_layers, -1, layout.num_heads, layout.head_dim)
+            kv = hp.pages.kv.permute(2, 1, 0, 3, 4, 5).reshape(2, layout.num_layers, -1, layout.num_heads, layout.head_dim)
             expected = token_kv(layout, u, torch.arange(hp.start_pos, hp.start_pos + hp.length), salt)
             assert torch.equal(kv[:, :, : hp.length], expected), (u, hp.entry)
         assert s.corrupt_reads == 0

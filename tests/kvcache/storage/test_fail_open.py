@@ -17,6 +17,7 @@ from kvcache import (
     KVCacheConfig,
     KVCacheManager,
     KVCacheStaleError,
+    PageData,
     PageLayout,
     TierDataError,
     TieredHostStorage,
@@ -52,7 +53,9 @@ class FlakyTier(InMemoryHostStorage):
         self._misbehave()
         hp = super().read(user_id)
         if hp is not None and self.mode == "bad_shape":
-            return hp._replace(pages=hp.pages[:, :1])
+            return hp._replace(pages=PageData(hp.pages.kv[:, :1], hp.pages.times))
+        if hp is not None and self.mode == "bad_times":
+            return hp._replace(pages=PageData(hp.pages.kv, hp.pages.times.double()))
         if hp is not None and self.mode == "short":
             return hp._replace(pages=hp.pages[:0])
         if hp is not None and self.mode == "data_error":
@@ -135,7 +138,7 @@ def test_a_failing_tier_is_skipped_for_the_back_off_period_and_a_lost_drop_hides
     flaky = FlakyTier()
     guarded = FailOpenStorage(flaky, "flaky", retry_after_s=1.0, max_retry_after_s=2.0)
     guarded.bind(LAYOUT)
-    assert guarded.write(1, 0, 4, 0, lambda dst: dst.fill_(1.0)).stored
+    assert guarded.write(1, 0, 4, 0, lambda dst: dst.kv.fill_(1.0)).stored
     flaky.mode = "raise"
     assert guarded.info(2) is None and flaky.calls == 2
     for u in range(10):
@@ -171,14 +174,14 @@ def test_a_hanging_tier_is_abandoned_after_the_timeout_and_used_again_once_it_re
     while guarded.info(3) is None and time.monotonic() < deadline:
         time.sleep(0.01)
     stored = flaky.read(3)  # written from a private copy of the pages, not from the reused device pages
-    kv = stored.pages.permute(2, 1, 0, 3, 4, 5).reshape(2, 2, -1, 1, 2)[:, :, : stored.length]
+    kv = stored.pages.kv.permute(2, 1, 0, 3, 4, 5).reshape(2, 2, -1, 1, 2)[:, :, : stored.length]
     assert stored.entry == (0, 6, b"") and torch.equal(kv[0, 1], expected_kv(LAYOUT, 3, 0, 6, 1)[0])
     _visit(mgr, [5])
     assert mgr.stats().tier_timeouts == 1
     _assert_data(mgr, [1, 2, 3, 4, 5, 9])
 
 
-@pytest.mark.parametrize("mode", ["bad_shape", "short", "data_error"])
+@pytest.mark.parametrize("mode", ["bad_shape", "bad_times", "short", "data_error"])
 def test_bad_data_from_a_tier_is_a_miss_that_is_recomputed(mode, caplog):
     mgr, flaky, guarded = _manager(host_pages=0)  # the flaky tier is the only one holding anything
     _visit(mgr, [1, 2], new=6)
@@ -243,10 +246,13 @@ def test_an_entry_that_info_reports_but_read_cannot_return_is_dropped_and_refuse
 def test_read_results_are_validated():
     guarded = FailOpenStorage(FlakyTier(), "flaky")
     guarded.bind(LAYOUT)
-    guarded.write(1, 0, 6, 0, lambda dst: dst.fill_(1.0))
+    guarded.write(1, 0, 6, 0, lambda dst: dst.kv.fill_(1.0))
     assert isinstance(guarded.read(1), HostPages)
-    guarded.inner.read = lambda u: HostPages(0, 6, torch.zeros((2, *LAYOUT.page_shape), dtype=torch.float64))
-    assert guarded.read(1) is None and guarded.corrupt_reads == 1
+    guarded.inner.read = lambda u: HostPages(0, 6, torch.zeros((2, *LAYOUT.page_shape), dtype=torch.float32))
+    assert guarded.read(1) is None and guarded.corrupt_reads == 1  # a bare tensor, not PageData
+    wrong_dtype = PageData(torch.zeros((2, *LAYOUT.page_shape), dtype=torch.float64), torch.zeros((2, 4), dtype=torch.int64))
+    guarded.inner.read = lambda u: HostPages(0, 6, wrong_dtype)
+    assert guarded.read(1) is None and guarded.corrupt_reads == 2
 
 
 class FreshPagesTier(InMemoryHostStorage):
@@ -263,7 +269,7 @@ def test_the_worker_thread_keeps_nothing_of_a_call_and_close_joins_it():
     tier = FailOpenStorage(FreshPagesTier(1 << 20), "fresh", timeout_s=5.0)
     tier.bind(LAYOUT)
     for u in (1, 2):
-        assert tier.write(u, 0, 6, 0, lambda dst: dst.fill_(1.0)).stored
+        assert tier.write(u, 0, 6, 0, lambda dst: dst.kv.fill_(1.0)).stored
     pages = weakref.ref(tier.read(1).pages)
     assert tier.read(2) is not None  # a later call on the worker: it is done with the first one
     gc.collect()

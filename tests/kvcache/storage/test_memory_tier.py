@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import TINY_LAYOUT_ARGS
+from helpers import TINY_LAYOUT_ARGS, cat_pages, host_pages, pages_equal
 from kvcache import HostEntry, InMemoryHostStorage, LFUPolicy, LRUPolicy, PageLayout
 
 LAYOUT = PageLayout(**TINY_LAYOUT_ARGS)
@@ -10,7 +10,7 @@ PAGE = LAYOUT.page_nbytes  # 2 * 2 * 4 * 1 * 2 * 4 = 128 bytes
 
 
 def _pages(n, value):
-    return torch.full((n, *LAYOUT.page_shape), float(value))
+    return host_pages(LAYOUT, n, value)
 
 
 def _fill(pages):
@@ -31,7 +31,7 @@ def test_write_read_incremental_rewrites_last_partial_page():
     assert s.write(7, 10, 12, 1, _fill(new)).stored  # page 1 rewritten, page 2 new
     hp = s.read(7)
     assert (hp.start_pos, hp.length) == (10, 12)
-    assert torch.equal(hp.pages, torch.cat([_pages(1, 1), new]))
+    assert pages_equal(hp.pages, cat_pages([_pages(1, 1), new]))
 
 
 def test_write_from_page_zero_replaces_the_entry():
@@ -39,7 +39,7 @@ def test_write_from_page_zero_replaces_the_entry():
     s.write(7, 0, 8, 0, _fill(_pages(2, 1)))
     s.write(7, 5, 3, 0, _fill(_pages(1, 3)))
     hp = s.read(7)
-    assert (hp.start_pos, hp.length) == (5, 3) and torch.equal(hp.pages, _pages(1, 3))
+    assert (hp.start_pos, hp.length) == (5, 3) and pages_equal(hp.pages, _pages(1, 3))
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_user_larger_than_the_tier_is_not_stored_and_nothing_changes():
     result = s.write(2, 0, 12, 1, _fill(_pages(2, 5)))
     assert not result.stored and result.evicted == ()
     assert s.info(1) == HostEntry(0, 4) and s.info(2) == HostEntry(0, 4)
-    assert torch.equal(s.read(2).pages, _pages(1, 2))
+    assert pages_equal(s.read(2).pages, _pages(1, 2))
 
 
 def test_growth_is_geometric_when_there_is_room_and_exact_otherwise():
@@ -89,7 +89,7 @@ def test_growth_is_geometric_when_there_is_room_and_exact_otherwise():
     for n in range(2, 9):
         s.write(1, 0, 4 * n, n - 1, _fill(_pages(1, n)))
     assert s.bytes_used == 8 * PAGE  # capacities 1, 2, 4, 8
-    assert torch.equal(s.read(1).pages[:, 0, 0, 0, 0, 0], torch.arange(1, 9, dtype=torch.float32))
+    assert torch.equal(s.read(1).pages.kv[:, 0, 0, 0, 0, 0], torch.arange(1, 9, dtype=torch.float32))
     tight = _store(3)
     tight.write(1, 0, 8, 0, _fill(_pages(2, 1)))
     tight.write(1, 0, 12, 2, _fill(_pages(1, 2)))  # doubling to 4 pages would not fit: exact 3
@@ -101,7 +101,7 @@ def test_failed_fill_drops_the_user():
     s.write(1, 0, 6, 0, _fill(_pages(2, 1)))
 
     def broken(dst):
-        dst.fill_(-1)
+        dst.kv.fill_(-1)
         raise RuntimeError("device copy failed")
 
     with pytest.raises(RuntimeError, match="device copy failed"):
@@ -145,13 +145,13 @@ def test_lfu_policy_order_breaks_ties_by_recency():
 
 def test_pages_live_in_one_slab_allocated_once_and_reused():
     s = _store(8)
-    assert s.slab.allocations == 1 and s.slab.pages.shape[0] == 8
+    assert s.slab.allocations == 1 and s.slab.kv.shape[0] == 8
     s.write(1, 0, 16, 0, _fill(_pages(4, 1)))
-    ptr = s.read(1).pages.data_ptr()
+    ptr = s.read(1).pages.kv.data_ptr()
     s.drop(1)
     assert s.bytes_used == 0
     s.write(2, 0, 13, 0, _fill(_pages(4, 2)))  # the freed range comes back
-    assert s.read(2).pages.data_ptr() == ptr and torch.equal(s.read(2).pages, _pages(4, 2))
+    assert s.read(2).pages.kv.data_ptr() == ptr and pages_equal(s.read(2).pages, _pages(4, 2))
     s.drop(2)
     s.write(3, 0, 32, 0, _fill(_pages(8, 3)))  # the whole slab, once the freed ranges coalesced
     assert s.bytes_used == 8 * PAGE and s.num_users == 1
@@ -169,8 +169,8 @@ def test_a_grown_user_keeps_its_pages_when_the_free_room_is_fragmented():
     # 2 grows to 2 contiguous pages: two pages are free, but apart, so the least recently used goes
     result = s.write(2, 0, 8, 1, _fill(_pages(1, 9)))
     assert result.stored and [u for u, _ in result.evicted] == [1]
-    assert torch.equal(s.read(2).pages, torch.cat([_pages(1, 2), _pages(1, 9)]))
-    assert torch.equal(s.read(3).pages, _pages(1, 3))
+    assert pages_equal(s.read(2).pages, cat_pages([_pages(1, 2), _pages(1, 9)]))
+    assert pages_equal(s.read(3).pages, _pages(1, 3))
 
 
 def test_no_contiguous_room_beside_protected_users_leaves_the_writer_unchanged():
@@ -189,7 +189,7 @@ def test_no_contiguous_room_beside_protected_users_leaves_the_writer_unchanged()
     s.drop(3)  # [free][2][free]: two free pages that are not contiguous, 2 protected
     result = s.write(5, 0, 8, 0, _fill(_pages(2, 5)), protect=[2])
     assert not result.stored and result.evicted == () and s.info(5) is None
-    assert torch.equal(s.read(2).pages, _pages(1, 2)) and s.bytes_used == PAGE
+    assert pages_equal(s.read(2).pages, _pages(1, 2)) and s.bytes_used == PAGE
 
 
 def test_protected_users_are_never_evicted():

@@ -11,7 +11,7 @@ import redis
 import torch
 
 from helpers import REPO_ROOT as ROOT
-from helpers import TINY_LAYOUT_ARGS, unique_namespace
+from helpers import TINY_LAYOUT_ARGS, cat_pages, host_pages, pages_equal, unique_namespace
 from kvcache import (
     FailOpenStorage,
     HostEntry,
@@ -24,7 +24,7 @@ from kvcache import (
     TieredHostStorage,
 )
 from kvcache.storage.redis_tier import RedisHostStorage
-from kvcache.testing import expected_kv, serve
+from kvcache.testing import expected_kv, expected_times, serve
 
 LAYOUT = PageLayout(**TINY_LAYOUT_ARGS)
 PAGE = LAYOUT.page_nbytes  # 128 bytes
@@ -38,17 +38,11 @@ def _store(url, capacity_pages=64, layout=LAYOUT, namespace=None, **kwargs):
 
 def _random_pages(n, layout=LAYOUT, seed=0):
     """Pages of random bits (NaNs and denormals included): compared bit for bit."""
-    g = torch.Generator().manual_seed(seed)
-    bits = torch.randint(0, 256, (n * layout.page_nbytes,), dtype=torch.uint8, generator=g)
-    return bits.view(layout.dtype).view(n, *layout.page_shape)
+    return host_pages(layout, n, seed=seed)
 
 
 def _fill(pages):
     return lambda dst: dst.copy_(pages)
-
-
-def _bits(t):
-    return t.contiguous().view(torch.uint8)
 
 
 def _keys(client, storage, pattern="*"):
@@ -66,8 +60,8 @@ def test_round_trip_is_bit_identical(redis_server, dtype, page_size):
     assert s.write(9, 3, length, 0, _fill(pages), tag=b"\x00" * 31 + b"\xff").stored
     hp = s.read(9)
     assert hp.entry == HostEntry(3, length, b"\x00" * 31 + b"\xff") == s.info(9)
-    assert hp.pages.dtype == dtype and hp.pages.shape == pages.shape
-    assert torch.equal(_bits(hp.pages), _bits(pages))
+    assert hp.pages.kv.dtype == dtype and hp.pages.kv.shape == pages.kv.shape
+    assert pages_equal(hp.pages, pages)
 
 
 def test_incremental_write_sends_only_new_pages_and_keeps_the_rest(redis_server):
@@ -82,7 +76,7 @@ def test_incremental_write_sends_only_new_pages_and_keeps_the_rest(redis_server)
     assert len(keys) == 4 and set(kept) < set(keys)  # pages 0, 1 were not sent again (their keys name the first write)
     hp = s.read(7)
     assert hp.entry == HostEntry(10, 16, b"b")
-    assert torch.equal(_bits(hp.pages), _bits(torch.cat([first[:2], new])))
+    assert pages_equal(hp.pages, cat_pages([first[:2], new]))
     assert s.bytes_used == 4 * PAGE
 
 
@@ -91,7 +85,7 @@ def test_write_from_page_zero_replaces_another_window(redis_server):
     s.write(7, 0, 12, 0, _fill(_random_pages(3)))
     s.write(7, 40, 3, 0, _fill(_random_pages(1, seed=5)))
     hp = s.read(7)
-    assert hp.entry == HostEntry(40, 3) and torch.equal(_bits(hp.pages), _bits(_random_pages(1, seed=5)))
+    assert hp.entry == HostEntry(40, 3) and pages_equal(hp.pages, _random_pages(1, seed=5))
     assert s.bytes_used == PAGE
 
 
@@ -145,9 +139,9 @@ def test_namespaces_and_layouts_are_isolated(redis_server):
     b.write(5, 8, 8, 0, _fill(_random_pages(2, seed=2)), tag=b"b")
     c.write(5, 0, 4, 0, _fill(_random_pages(1, other_layout, seed=3)), tag=b"c")
     assert (a.info(5), b.info(5), c.info(5)) == (HostEntry(0, 4, b"a"), HostEntry(8, 8, b"b"), HostEntry(0, 4, b"c"))
-    assert c.read(5).pages.dtype == torch.bfloat16
+    assert c.read(5).pages.kv.dtype == torch.bfloat16
     assert b.drop(5) and a.info(5) == HostEntry(0, 4, b"a") and c.info(5) is not None
-    assert torch.equal(a.read(5).pages, _random_pages(1, seed=1))
+    assert pages_equal(a.read(5).pages, _random_pages(1, seed=1))
 
 
 def test_keys_persist_without_ttl_and_expire_with_one(redis_server):
@@ -267,7 +261,7 @@ def test_last_complete_write_wins_and_leaks_no_pages(redis_server):
     a.write(1, 0, 12, 0, _fill(_random_pages(3, seed=1)), tag=b"a")
     b.write(1, 0, 8, 0, _fill(_random_pages(2, seed=2)), tag=b"b")
     assert a.info(1) == HostEntry(0, 8, b"b")
-    assert torch.equal(_bits(a.read(1).pages), _bits(_random_pages(2, seed=2)))
+    assert pages_equal(a.read(1).pages, _random_pages(2, seed=2))
     assert len(_keys(client, a, "u:1:p:*")) == 2 and a.bytes_used == 2 * PAGE
 
 
@@ -286,7 +280,7 @@ def test_incremental_write_on_a_replaced_base_is_refused(redis_server):
     assert a.write(1, 0, 12, 2, fill_while_b_writes, tag=b"a") == (False, ())
     assert a.write_conflicts == 1 and a.counters()["write_conflicts"] == 1
     hp = a.read(1)
-    assert hp.entry == HostEntry(0, 12, b"b") and torch.equal(_bits(hp.pages), _bits(_random_pages(3, seed=2)))
+    assert hp.entry == HostEntry(0, 12, b"b") and pages_equal(hp.pages, _random_pages(3, seed=2))
     assert len(_keys(client, a, "u:1:p:*")) == 3  # A's uploaded page was deleted
 
 
@@ -308,7 +302,7 @@ def test_concurrent_writers_and_a_reader_never_mix_writes(redis_server):
                     first = n - 1  # incremental: valid only if the whole entry holds one value (checked by tags)
                 # A ValueError: the other writer changed the entry between info() and write(), a refused gap.
                 with contextlib.suppress(ValueError):
-                    s.write(1, 0, 4 * n, first, lambda dst, value=value: dst.fill_(value), tag=str(value).encode())
+                    s.write(1, 0, 4 * n, first, lambda dst, value=value: dst.kv.fill_(value), tag=str(value).encode())
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -319,11 +313,11 @@ def test_concurrent_writers_and_a_reader_never_mix_writes(redis_server):
                 hp = s.read(1)
                 if hp is None:
                     continue
-                values = hp.pages.view(hp.pages.shape[0], -1)
+                values = hp.pages.kv.reshape(hp.pages.num_pages, -1)
                 # An incremental write keeps the old pages: the tag names the newest page's value.
                 assert float(values[-1, 0]) == float(hp.tag.decode())
                 assert all(bool((row == row[0]).all()) for row in values)
-                assert hp.pages.shape[0] == LAYOUT.num_pages(hp.length)
+                assert hp.pages.num_pages == LAYOUT.num_pages(hp.length)
                 seen.add(hp.tag)
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
@@ -349,6 +343,7 @@ CFG = KVCacheConfig(num_layers=2, num_heads=2, head_dim=4, page_size=4, num_page
 def _assert_cached(mgr, user, start, length):
     s, n = mgr.get_user_kvdata_info([user])
     assert (int(s), int(n)) == (start, length)
+    assert torch.equal(mgr.read_times(user), expected_times(user, start, length))
     for layer in range(CFG.num_layers):
         k, v = mgr.read_kv(user, layer)
         ek, ev = expected_kv(CFG.page_layout, user, start, length, layer)
@@ -486,7 +481,7 @@ def test_reads_recover_after_the_server_drops_the_connections(redis_server):
             break
         except redis.ConnectionError:
             continue
-    assert torch.equal(_bits(hp.pages), _bits(_random_pages(3, seed=4)))
+    assert pages_equal(hp.pages, _random_pages(3, seed=4))
 
 
 def test_tier_benchmark_runs_at_tiny_sizes(redis_server, tmp_path, capsys, monkeypatch):

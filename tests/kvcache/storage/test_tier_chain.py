@@ -3,7 +3,7 @@ KVCacheConfig."""
 import pytest
 import torch
 
-from helpers import TINY_LAYOUT_ARGS
+from helpers import TINY_LAYOUT_ARGS, cat_pages, host_pages, pages_equal
 from kvcache import (
     DiskHostStorage,
     FailOpenStorage,
@@ -23,7 +23,7 @@ PAGE = LAYOUT.page_nbytes
 
 
 def _pages(n, value):
-    return torch.full((n, *LAYOUT.page_shape), float(value))
+    return host_pages(LAYOUT, n, value)
 
 
 def _fill(pages):
@@ -102,7 +102,7 @@ def test_writes_go_through_incrementally_and_drop_drops_everywhere():
     assert upper.writes == lower.writes == [(1, 0, 2), (1, 1, 3)]  # only the new pages, in both
     for tier in (upper, lower):
         hp = tier.read(1)
-        assert hp.entry == (0, 10, b"t2") and torch.equal(hp.pages, torch.cat([_pages(1, 1), _pages(2, 2)]))
+        assert hp.entry == (0, 10, b"t2") and pages_equal(hp.pages, cat_pages([_pages(1, 1), _pages(2, 2)]))
     assert (chain.bytes_used, chain.capacity_bytes, chain.num_users) == (upper.bytes_used, 16 * PAGE, 1)
     assert chain.drop(1) and upper.info(1) is None and lower.info(1) is None and not chain.drop(1)
 
@@ -113,9 +113,9 @@ def test_the_longest_entry_wins_and_is_promoted_into_the_upper_tiers():
     lower.write(1, 0, 12, 0, _fill(_pages(3, 7)), tag=b"another node's")  # a longer history, same start
     assert chain.info(1) == HostEntry(0, 12, b"another node's")
     hp = chain.read(1)
-    assert hp.entry == (0, 12, b"another node's") and torch.equal(hp.pages, _pages(3, 7))
+    assert hp.entry == (0, 12, b"another node's") and pages_equal(hp.pages, _pages(3, 7))
     assert upper.info(1) == middle.info(1) == hp.entry  # promoted
-    assert torch.equal(upper.read(1).pages, _pages(3, 7))
+    assert pages_equal(upper.read(1).pages, _pages(3, 7))
     # Equal lengths: the upper tier wins; another start: the upper-most tier's start wins.
     middle.write(1, 0, 12, 0, _fill(_pages(3, 8)), tag=b"middle")
     upper.write(1, 0, 12, 0, _fill(_pages(3, 9)), tag=b"upper")
@@ -134,8 +134,8 @@ def test_a_tier_that_fell_behind_is_brought_up_to_date_from_one_that_holds_the_e
     result = chain.write(1, 0, 10, 1, _fill(_pages(2, 3)))  # continues the entry the lower tier holds
     assert result.stored and [u for u, _ in result.evicted] == [2]  # the first tier's evictions
     assert lower.writes[-1] == (1, 1, 3) and upper.writes[-1] == (1, 0, 3)  # new pages / whole entry
-    expected = torch.cat([_pages(1, 1), _pages(2, 3)])
-    assert torch.equal(upper.read(1).pages, expected) and torch.equal(lower.read(1).pages, expected)
+    expected = cat_pages([_pages(1, 1), _pages(2, 3)])
+    assert pages_equal(upper.read(1).pages, expected) and pages_equal(lower.read(1).pages, expected)
     # A tier holding some other entry than the one continued is dropped when nothing can bring it up to date.
     lower.write(3, 0, 4, 0, _fill(_pages(1, 4)))
     upper.write(3, 0, 8, 0, _fill(_pages(2, 5)), tag=b"newer")
@@ -149,7 +149,7 @@ def test_a_promotion_never_evicts_a_user_just_read():
     lower.write(2, 0, 8, 0, _fill(_pages(2, 2)))  # the lower tier only
     first = chain.read(1)  # a view of the upper tier's memory
     second = chain.read(2)  # promoting 2 would have to evict 1 from the upper tier
-    assert torch.equal(first.pages, _pages(2, 1)) and torch.equal(second.pages, _pages(2, 2))
+    assert pages_equal(first.pages, _pages(2, 1)) and pages_equal(second.pages, _pages(2, 2))
     assert upper.info(1) is not None and upper.info(2) is None
 
 
@@ -196,7 +196,7 @@ def test_an_offload_never_appends_to_an_entry_another_node_wrote():
     _serve_tagged(node_a, [1], [10], [4], [b"history A2"])
     node_a.offload_kv_cache()
     hp = shared.read(1)
-    kv = hp.pages.permute(2, 1, 0, 3, 4, 5).reshape(2, 2, -1, 1, 2)[:, :, :14]
+    kv = hp.pages.kv.permute(2, 1, 0, 3, 4, 5).reshape(2, 2, -1, 1, 2)[:, :, :14]
     assert hp.entry == (0, 14, b"history A2") and torch.equal(kv, token_kv(layout, 1, torch.arange(14)))
 
 
@@ -212,7 +212,7 @@ def test_buffers_a_tier_allocates_in_inference_mode_are_writable_outside_it(kind
     tier.drop(2)  # its buffer is kept for reuse
     assert tier.write(1, 0, 4, 0, _fill(_pages(1, 3))).stored  # in place
     assert tier.write(3, 0, 4, 0, _fill(_pages(1, 4))).stored  # the reused buffer
-    assert torch.equal(tier.read(1).pages, _pages(1, 3)) and torch.equal(tier.read(3).pages, _pages(1, 4))
+    assert pages_equal(tier.read(1).pages, _pages(1, 3)) and pages_equal(tier.read(3).pages, _pages(1, 4))
     tier.close()
 
 

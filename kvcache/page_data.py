@@ -1,0 +1,82 @@
+"""PageData: pages on their way between the device pool and a storage tier.
+
+A page holds `page_size` tokens: their K and V in every layer, and each token's time, an int64
+the model writes when it appends a token and reads back when it attends to it (HSTU's relative
+time bias needs the timestamp of every cached key). Pages travel as two tensors,
+
+    kv     [k, num_layers, 2 (K, V), page_size, num_heads, head_dim]   layout.dtype
+    times  [k, page_size]                                               int64
+
+with strides of the holder's choosing (the in-memory tier hands out layer-major views; each page
+row `page_size, num_heads, head_dim` is dense). Tiers that store bytes hold a page as one blob of
+`PageLayout.page_nbytes` bytes, K/V then times: `blob_pages` makes pages viewing such blobs, and
+`PageData.blob` is their bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .config import PageLayout
+
+
+@dataclass(frozen=True)
+class PageData:
+    kv: Tensor  # [k, *layout.page_shape]
+    times: Tensor  # [k, page_size] int64
+    blob: Tensor | None = None  # [k, page_nbytes] uint8 that kv and times view (pages made by `blob_pages`)
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.shape[0]
+
+    def __getitem__(self, pages: slice) -> PageData:
+        """Pages `pages` (a slice), viewing the same memory."""
+        return PageData(self.kv[pages], self.times[pages], None if self.blob is None else self.blob[pages])
+
+    def copy_(self, src: PageData, non_blocking: bool = False) -> PageData:
+        """Copy `src`'s pages into these (same number of pages, any strides and devices)."""
+        self.kv.copy_(src.kv, non_blocking=non_blocking)
+        self.times.copy_(src.times, non_blocking=non_blocking)
+        return self
+
+    def clone(self) -> PageData:
+        """A copy in fresh memory (without a blob)."""
+        return PageData(self.kv.clone(), self.times.clone())
+
+    def to(self, device: torch.device | str) -> PageData:
+        return PageData(self.kv.to(device), self.times.to(device))
+
+
+def empty_kv(layout: PageLayout, n: int, pin_memory: bool = False) -> Tensor:
+    """An uninitialised host tensor [n, *page_shape] of K/V.
+
+    Allocated outside inference mode: the manager runs inside `torch.inference_mode()` when the
+    model prepares, and an inference tensor refuses the in-place writes of later calls made
+    outside it (an offload into a buffer a promotion allocated, a reused staging buffer).
+    """
+    with torch.inference_mode(False):
+        return torch.empty((n, *layout.page_shape), dtype=layout.dtype, pin_memory=pin_memory)
+
+
+def empty_times(layout: PageLayout, n: int, pin_memory: bool = False) -> Tensor:
+    """An uninitialised host tensor [n, page_size] of token times (outside inference mode, as `empty_kv`)."""
+    with torch.inference_mode(False):
+        return torch.empty((n, layout.page_size), dtype=torch.int64, pin_memory=pin_memory)
+
+
+def empty_pages(layout: PageLayout, n: int) -> PageData:
+    """`n` uninitialised host pages (K/V and times in tensors of their own)."""
+    return PageData(empty_kv(layout, n), empty_times(layout, n))
+
+
+def blob_pages(layout: PageLayout, n: int) -> PageData:
+    """`n` uninitialised pages, each one contiguous blob of `layout.page_nbytes` bytes (page-major);
+    made outside inference mode, as `empty_kv`."""
+    with torch.inference_mode(False):
+        blob = torch.empty((n, layout.page_nbytes), dtype=torch.uint8)
+        kv = blob[:, : layout.kv_nbytes].view(layout.dtype).view(n, *layout.page_shape)
+        times = blob[:, layout.times_offset :].view(torch.int64)
+    return PageData(kv, times, blob)
