@@ -113,7 +113,7 @@ def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, cand
 
     def run_cached():
         meta = manager.prepare_kv_cache(users, [cached] * batch, [new] * batch)
-        kv = PagedKV(manager.k_cache, manager.v_cache, meta, manager.sink_slot)
+        kv = PagedKV(manager, meta)
         forward(new_batch, kv)
         manager.rollback(meta)
         _sync(device)

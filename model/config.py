@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from data.schema import TASKS
+from model.attention.relative_bias import MAX_POSITION_BUCKETS, MAX_TIME_BUCKETS
 
 NUM_ACTION_IDS = 256  # action_weights is an 8-bit mask
 UNKNOWN_ACTION_ID = NUM_ACTION_IDS  # a candidate's action is not known yet: its own learned vector
@@ -18,6 +19,10 @@ class HSTUConfig:
     num_heads: int = 4
     head_dim: int = 128  # q, k, v and u all use num_heads x head_dim
     max_seq_len: int = 4096  # N: the attention normaliser and the most history tokens in a window
+    # HSTU's relative attention bias (model/attention/relative_bias.py): per layer and head, a learned
+    # offset per bucket of query-key distance in positions and in seconds; 0 buckets = no such bias.
+    num_position_buckets: int = 0
+    num_time_buckets: int = 0
     window_stride: int = 1024  # a window restart moves the window start by multiples of this (events)
     dropout: float = 0.0  # used in training only
     # Embeddings (all through one TorchRec EmbeddingCollection)
@@ -53,6 +58,9 @@ class HSTUConfig:
             "user_hash_size must be >= 0": self.user_hash_size >= 0,
             "user_factor_dim must be >= 1": self.user_factor_dim >= 1,
             "counter_buckets must be >= 0": self.counter_buckets >= 0,
+            f"num_position_buckets must be in [0, {MAX_POSITION_BUCKETS}]": 0 <= self.num_position_buckets
+            <= MAX_POSITION_BUCKETS,
+            f"num_time_buckets must be in [0, {MAX_TIME_BUCKETS}]": 0 <= self.num_time_buckets <= MAX_TIME_BUCKETS,
             "dropout must be in [0, 1)": 0.0 <= self.dropout < 1.0,
             "user feature cardinalities must be >= 1": all(c >= 1 for c in self.user_feature_cardinalities),
         }
@@ -89,20 +97,24 @@ class HSTUConfig:
         return cls(**d)
 
 
+# Every distance up to 4096 positions has a bucket of its own range (8 per doubling), and so has every
+# distance in seconds up to the cap of ~194 days (4 per doubling).
+_RELATIVE_BIAS = dict(num_position_buckets=81, num_time_buckets=MAX_TIME_BUCKETS)
+
 _PRESETS: dict[str, HSTUConfig] = {
     # The published KuaiRand-1K HSTU shape: 3 layers, hidden 512, 4 heads x 128.
-    "kuairand-1k": HSTUConfig(user_hash_size=10_007, counter_buckets=8),
+    "kuairand-1k": HSTUConfig(user_hash_size=10_007, counter_buckets=8, **_RELATIVE_BIAS),
     # Small enough to train in minutes on 2 CPU cores, large enough that compute dominates.
     "demo": HSTUConfig(
         hidden_dim=256, num_heads=4, head_dim=64, max_seq_len=2048, window_stride=512,
         video_hash_size=200_003, mlp_hidden_dim=256, position_table_size=4096, user_hash_size=10_007,
-        counter_buckets=8,
+        counter_buckets=8, **_RELATIVE_BIAS,
     ),
     # Unit tests: tiny and fast.
     "tiny": HSTUConfig(
         num_layers=2, hidden_dim=32, num_heads=2, head_dim=16, max_seq_len=256, window_stride=64,
         video_hash_size=1009, num_time_gap_buckets=16, position_table_size=512,
-        mlp_hidden_dim=32, page_size=4, user_hash_size=101, counter_buckets=8,
+        mlp_hidden_dim=32, page_size=4, user_hash_size=101, counter_buckets=8, **_RELATIVE_BIAS,
     ),
 }
 

@@ -1,8 +1,12 @@
 """The HSTU layer, on a batch's token rows.
 
     x̂ = LN(x);   u, v, q, k = split(SiLU(x̂ W + b))
-    A_ij = SiLU(α q_i·k_j) / N        α = 1/sqrt(head_dim), N = config.max_seq_len (fixed)
+    A_ij = SiLU(α q_i·k_j + rab_p(i - j) + rab_t(t_i - t_j)) / N
+                                      α = 1/sqrt(head_dim), N = config.max_seq_len (fixed)
     out  = x + W_o(u ⊙ LN(A V))
+
+rab_p and rab_t are the layer's relative position and time bias (model/attention/relative_bias.py;
+absent when the config has no buckets for them).
 
 Rows of x [T, d] are every user's *history* tokens (prefix + events, causal, the only ones
 written to the KV cache), then every user's *candidates* (M-FALCON: each sees all history and
@@ -19,7 +23,7 @@ from collections.abc import Mapping
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention import BatchAttention, attend
+from model.attention import BatchAttention, BiasInputs, RelativeAttentionBias, attend
 from model.config import HSTUConfig
 from model.kv_store import KVStore
 
@@ -37,6 +41,8 @@ class HSTULayer(nn.Module):
         self.attention_norm = nn.LayerNorm(a)
         self.output = nn.Linear(a, config.hidden_dim)
         self.dropout = nn.Dropout(config.dropout)
+        buckets = (config.num_position_buckets, config.num_time_buckets)
+        self.relative_bias = RelativeAttentionBias(config.num_heads, *buckets) if any(buckets) else None
 
     def forward(
         self,
@@ -45,6 +51,7 @@ class HSTULayer(nn.Module):
         kv: KVStore,
         device_inputs: Mapping[str, Tensor],
         history_outputs_needed: bool = True,
+        bias_inputs: BiasInputs | None = None,
     ) -> Tensor:
         """-> x' [T, d]; with history_outputs_needed=False (the last layer), only the candidate rows
         x'[n_hist:] [M, d]: the history rows still produce their K/V, but are not attended."""
@@ -55,7 +62,7 @@ class HSTULayer(nn.Module):
         keys, values = kv.layer_kv(self.index, k, v, n_hist, device_inputs)
         attended = attend(
             q, k, v, keys, values, attention, candidates_only=not history_outputs_needed,
-            alpha=self.alpha, normalizer=self.normalizer,
+            alpha=self.alpha, normalizer=self.normalizer, bias=self.relative_bias, bias_inputs=bias_inputs,
         ).reshape(-1, H * D)  # [T, H D]
         rows = slice(None) if history_outputs_needed else slice(n_hist, None)
         gated = u.reshape(-1, H * D)[rows] * self.attention_norm(attended[rows])

@@ -245,7 +245,7 @@ def serve_through_cache(
             if after_prepare is not None:
                 after_prepare()
             with torch.inference_mode():
-                logits = forward(batch, PagedKV(cache.k_cache, cache.v_cache, meta, cache.sink_slot))
+                logits = forward(batch, PagedKV(cache, meta))
         except BaseException:
             cache.rollback(meta)
             raise

@@ -2,12 +2,13 @@
 
 The model never calls the cache manager: it takes a `KVStore`. `FullRecompute` is a visit with
 nothing cached (the window's keys are the rows just computed). `PagedKV` is incremental serving:
-the caller (model/inference.py) prepared the cache for the batch; each layer appends the new
-history K/V into their pages and attention reads every key straight from the page pool.
+the caller (model/inference.py) prepared the cache for the batch; the forward appends the new
+history tokens' times (once) and each layer its K/V into their pages, and attention reads every
+key, and its time, straight from the page pool.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +32,11 @@ class KVStore(Protocol):
 
     def host_inputs(self, shape: BatchShape) -> dict[str, np.ndarray]:
         """Arrays the store needs on the device (packed into the batch's one upload)."""
+        ...
+
+    def key_times(self, query_times: Tensor, num_history_rows: int, device_inputs: Mapping[str, Tensor]) -> Tensor:
+        """Store the new history tokens' times (rows [0, num_history_rows) of query_times [T + 1] int64) and
+        return the time of every key row attention reads ([R] int64, indexed by `addressing`). Once per forward."""
         ...
 
     def layer_kv(
@@ -61,6 +67,9 @@ class FullRecompute:
     def host_inputs(self, shape: BatchShape) -> dict[str, np.ndarray]:
         return {}
 
+    def key_times(self, query_times, num_history_rows, device_inputs):
+        return query_times
+
     def layer_kv(self, layer, k, v, num_history_rows, device_inputs):
         return k, v
 
@@ -69,24 +78,31 @@ class FullRecompute:
         return ("full",)
 
 
+class PagedCache(Protocol):
+    """What `PagedKV` reads of a cache (`KVCacheManager` is one)."""
+
+    def k_cache(self, layer: int) -> Tensor: ...
+
+    def v_cache(self, layer: int) -> Tensor: ...
+
+    def times_cache(self) -> Tensor: ...
+
+    @property
+    def sink_slot(self) -> int: ...
+
+
 class PagedKV:
     """A prepared batch of a paged KV cache (`KVCacheManager.prepare_kv_cache`'s metadata)."""
 
-    def __init__(
-        self,
-        k_cache: Callable[[int], Tensor],
-        v_cache: Callable[[int], Tensor],
-        metadata: KVCacheMetadata,
-        sink_slot: int | None = None,
-    ):
-        """`k_cache(l)` / `v_cache(l)` (`KVCacheManager.k_cache`, `.v_cache`) are asked for layer l's pages
-        when the forward reaches layer l, right before it appends and reads them, and never earlier:
-        that is where the manager makes compute wait for layer l's onload (and no other layer's), so
-        the first layers compute while the later ones are still being copied to the device.
-        `sink_slot` (`KVCacheManager.sink_slot`) is where padding rows of a bucketed batch append."""
-        self._k_cache, self._v_cache = k_cache, v_cache
+    def __init__(self, cache: PagedCache, metadata: KVCacheMetadata):
+        """`cache.k_cache(l)` / `.v_cache(l)` are asked for layer l's pages when the forward reaches layer l,
+        right before it appends and reads them, and never earlier: that is where the manager makes compute
+        wait for layer l's onload (and no other layer's), so the first layers compute while the later ones
+        are still being copied to the device; `cache.times_cache()` likewise, before layer 0. Padding rows
+        of a bucketed batch append to `cache.sink_slot`."""
+        self._cache = cache
         self.metadata = metadata
-        self.sink_slot = sink_slot
+        self.sink_slot = cache.sink_slot
         self.addressing = KeyAddressing(metadata.page_size, metadata.page_indptr.numpy(), metadata.page_indices.numpy())
 
     @property
@@ -97,13 +113,16 @@ class PagedKV:
         slots = self.metadata.new_token_slots.numpy()
         padding = shape.history_rows - len(slots)
         if padding:
-            if self.sink_slot is None:
-                raise ValueError("a bucketed batch needs the cache's sink_slot for its padding rows")
             slots = np.pad(slots, (0, padding), constant_values=self.sink_slot)
         return {"kv.new_token_slots": slots}
 
+    def key_times(self, query_times, num_history_rows, device_inputs):
+        times = self._cache.times_cache()  # [num_pages, page_size]; onloaded times ready
+        paged_kvcache_ops.append_times(times, query_times[:num_history_rows], device_inputs["kv.new_token_slots"])
+        return times.view(-1)
+
     def layer_kv(self, layer, k, v, num_history_rows, device_inputs):
-        k_pages, v_pages = self._k_cache(layer), self._v_cache(layer)  # [num_pages, page_size, H, D]; layer ready
+        k_pages, v_pages = self._cache.k_cache(layer), self._cache.v_cache(layer)  # [num_pages, page_size, H, D]; ready
         paged_kvcache_ops.append_kvcache(
             k_pages, v_pages, k[:num_history_rows].to(k_pages.dtype), v[:num_history_rows].to(v_pages.dtype),
             device_inputs["kv.new_token_slots"],
@@ -112,4 +131,4 @@ class PagedKV:
 
     @property
     def graph_key(self) -> tuple:
-        return ("paged", self._k_cache(0).data_ptr(), self._v_cache(0).data_ptr())  # the page pool it writes
+        return ("paged", self._cache.k_cache(0).data_ptr(), self._cache.v_cache(0).data_ptr())  # the pool it writes

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from data.batch import VisitBatch
 from model import attention
-from model.attention import BatchAttention, plan_attention, triton_attention
+from model.attention import BatchAttention, BiasInputs, plan_attention, triton_attention
 from model.batch_shape import BatchShape
 from model.config import NUM_ACTION_IDS, HSTUConfig
 from model.counter_features import CounterFeatures
@@ -109,7 +109,8 @@ class HSTURecommender(nn.Module):
             shape = BatchShape.bucket(exact.users, exact.history_rows, exact.candidate_rows)
         features = token_features(self.config, self.layout, batch, spans, shape)
         plan = self._plan_attention(spans, batch, kv, features.shape, bucketed=shape is not None)
-        arrays = {**self.embedder.host_inputs(features), **attention.host_inputs(plan), **kv.host_inputs(features.shape)}
+        arrays = {**self.embedder.host_inputs(features), **attention.host_inputs(plan), **kv.host_inputs(features.shape),
+                  "query_times": features.query_times}
         device_inputs = self._staging_for(self.device).upload(arrays)
         return ModelInputs(features, BatchAttention.from_device(plan, device_inputs), device_inputs)
 
@@ -122,9 +123,13 @@ class HSTURecommender(nn.Module):
         captures: fixed shapes, no host work). -> [shape.candidate_rows, num_tasks] float32"""
         kv = kv if kv is not None else FullRecompute(len(inputs.attention.plan.cached_lengths))
         x = self.embedder(inputs.device_inputs, inputs.features).to(self.dtype)  # [T, d]
+        query_times = inputs.device_inputs["query_times"]  # [T + 1]
+        key_times = kv.key_times(query_times, inputs.attention.plan.num_history_rows, inputs.device_inputs)  # [R]
+        bias_inputs = BiasInputs(query_times, key_times)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, inputs.attention, kv, inputs.device_inputs, history_outputs_needed=i < last)
+            x = layer(x, inputs.attention, kv, inputs.device_inputs, history_outputs_needed=i < last,
+                      bias_inputs=bias_inputs)
         logits = self.head(self.output_norm(x)) + self.embedder.candidate_bias(inputs.device_inputs).to(x.dtype)
         if self.user_taste is not None:
             logits = logits + self.user_taste(inputs.device_inputs).to(x.dtype)

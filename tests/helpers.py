@@ -229,9 +229,39 @@ def assert_logits_close(cached: torch.Tensor, full: torch.Tensor, rel: float = 1
     assert diff <= rel * scale, f"max |cached - full| = {diff:.3g} > {rel:g} x scale {scale:.3g}"
 
 
-def dense_hstu_reference(q_hist, q_cand, k_cand, v_cand, k_window, v_window, num_cached, alpha, normalizer):
+def reference_bucket(distance: int, subdivision: int, num_buckets: int) -> int:
+    """model/attention/relative_bias.py's log-linear bucket, from its definition in integer arithmetic."""
+    d = max(int(distance), 0)
+    if d < 1 << subdivision:
+        bucket = d
+    else:
+        e = d.bit_length() - 1
+        bucket = (e - subdivision + 1) * (1 << subdivision) + (d >> (e - subdivision)) - (1 << subdivision)
+    return min(bucket, num_buckets - 1)
+
+
+def reference_bias(bias, query_position: int, key_position: int, query_time: int, key_time: int) -> torch.Tensor:
+    """[H] HSTU's relative bias of one (query, key) pair, from the formula (float64)."""
+    from model.attention.relative_bias import MS_PER_SECOND, NO_TIME, POSITION_SUBDIVISION, TIME_SUBDIVISION
+
+    out = torch.zeros(bias.position.shape[0], dtype=torch.float64)
+    if bias.num_position_buckets:
+        out += bias.position[:, reference_bucket(query_position - key_position, POSITION_SUBDIVISION,
+                                                 bias.num_position_buckets)].double()
+    if bias.num_time_buckets:
+        if query_time == NO_TIME or key_time == NO_TIME:
+            row = bias.num_time_buckets
+        else:
+            row = reference_bucket((query_time - key_time) // MS_PER_SECOND, TIME_SUBDIVISION, bias.num_time_buckets)
+        out += bias.time[:, row].double()
+    return out
+
+
+def dense_hstu_reference(q_hist, q_cand, k_cand, v_cand, k_window, v_window, num_cached, alpha, normalizer,
+                         bias=None, window_times=None, candidate_times=None):
     """One user's HSTU attention straight from the math (docs/model.md, "The layer"), one query row at a time:
-    history rows causal over the window, each candidate over the whole window and itself.
+    history rows causal over the window, each candidate over the whole window and itself; with `bias` (a
+    RelativeAttentionBias), its relative bias by window position and `window_times` [T] / `candidate_times` [m].
     -> (history outputs [n, H, D], candidate outputs [m, H, D])"""
     n, m, T = q_hist.shape[0], q_cand.shape[0], k_window.shape[0]
     keys, values, queries = torch.cat([k_window, k_cand]), torch.cat([v_window, v_cand]), torch.cat([q_hist, q_cand])
@@ -243,7 +273,15 @@ def dense_hstu_reference(q_hist, q_cand, k_cand, v_cand, k_window, v_window, num
         else:
             visible[:T] = True
             visible[T + i - n] = True
-        a = torch.nn.functional.silu(alpha * torch.einsum("hd,khd->hk", queries[i], keys)) / normalizer
+        logits = alpha * torch.einsum("hd,khd->hk", queries[i], keys)  # [H, T + m]
+        if bias is not None:
+            position = num_cached + i if i < n else T
+            time = int(window_times[num_cached + i]) if i < n else int(candidate_times[i - n])
+            key_positions = list(range(T)) + [T] * m  # a candidate sits at the window's end
+            key_times = [int(t) for t in window_times] + [int(t) for t in candidate_times]
+            logits = logits + torch.stack([reference_bias(bias, position, key_positions[j], time, key_times[j])
+                                           for j in range(T + m)], 1).to(logits.dtype)
+        a = torch.nn.functional.silu(logits) / normalizer
         outputs.append(torch.einsum("hk,khd->hd", a * visible, values))
     out = torch.stack(outputs) if outputs else queries.new_zeros(0, *queries.shape[1:])
     return out[:n], out[n:]
@@ -251,7 +289,8 @@ def dense_hstu_reference(q_hist, q_cand, k_cand, v_cand, k_window, v_window, num
 
 @dataclass
 class AttentionCase:
-    """Random q/k/v rows of a batch and, when paged, a shuffled page pool holding every user's window."""
+    """Random q/k/v rows of a batch and, when paged, a shuffled page pool holding every user's window; each
+    token's time (a few window-opening tokens without one), and a random relative bias."""
 
     cached: list[int]
     new: list[int]
@@ -263,37 +302,87 @@ class AttentionCase:
     addressing: object  # model.attention.KeyAddressing
     keys: torch.Tensor  # the pool's rows (paged) or k
     values: torch.Tensor
+    window_times: list[torch.Tensor]  # each user's times of its whole window (cached, then new) [c + n] int64
+    candidate_times: list[torch.Tensor]  # [m] int64 each
+    query_times: torch.Tensor  # [n_hist + M + 1] int64: the rows' times (the last: padding query slots)
+    key_times: torch.Tensor  # the pool's slots' times (paged) or query_times
+    bias: object  # model.attention.RelativeAttentionBias with random tables
+    alpha: float = 0.3
+    normalizer: float = 64.0
+
+    def rows(self, b: int) -> tuple[slice, slice]:
+        """User b's history rows and candidate rows of q/k/v."""
+        n_hist, hist_off, cand_off = sum(self.new), np.cumsum([0, *self.new]), np.cumsum([0, *self.cands])
+        return slice(hist_off[b], hist_off[b + 1]), slice(n_hist + cand_off[b], n_hist + cand_off[b + 1])
+
+    def bias_inputs(self, device="cpu"):
+        from model.attention import BiasInputs
+
+        return BiasInputs(self.query_times.to(device), self.key_times.to(device))
+
+    def reference(self, b: int, with_bias: bool):
+        """(history outputs, candidate outputs) of user b from `dense_hstu_reference`, in float64."""
+        h, c = self.rows(b)
+        bias = (self.bias, self.window_times[b], self.candidate_times[b]) if with_bias else (None, None, None)
+        return dense_hstu_reference(
+            self.q[h].double(), self.q[c].double(), self.k[c].double(), self.v[c].double(),
+            torch.cat([self.windows[b][0], self.k[h]]).double(), torch.cat([self.windows[b][1], self.v[h]]).double(),
+            self.cached[b], self.alpha, self.normalizer, *bias,
+        )
 
 
-def paged_attention_case(rng, cached, new, cands, page_size, heads=2, head_dim=8, dtype=torch.float64) -> AttentionCase:
-    from model.attention import KeyAddressing
+def paged_attention_case(rng, cached, new, cands, page_size, heads=2, head_dim=8, dtype=torch.float64,
+                         position_buckets=81, time_buckets=92) -> AttentionCase:
+    from model.attention import KeyAddressing, RelativeAttentionBias
+    from model.attention.relative_bias import NO_TIME
 
     n_hist, M = sum(new), sum(cands)
-    t = lambda rows: torch.randn(rows, heads, head_dim, generator=None).to(dtype)
+    generator = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+    t = lambda rows: torch.randn(rows, heads, head_dim, generator=generator).to(dtype)
     q, k, v = t(n_hist + M), t(n_hist + M), t(n_hist + M)
     windows = [(t(c), t(c)) for c in cached]
     hist_off = np.concatenate([[0], np.cumsum(new)])
+    # Times: gaps from a second to a month (every time bucket), the first token of a window without one.
+    window_times, candidate_times = [], []
+    for c, n, m in zip(cached, new, cands):
+        gaps = rng.choice([0, 999, 1_000, 45_000, 3_600_000, 86_400_000, 2_592_000_000], size=c + n)
+        times = torch.from_numpy(1_650_000_000_000 + np.cumsum(gaps))
+        times[:1] = NO_TIME
+        window_times.append(times)
+        last = int(times[-1]) if c + n and times[-1] != NO_TIME else 1_650_000_000_000
+        candidate_times.append(torch.full((m,), last + int(rng.integers(0, 10**7)), dtype=torch.int64))
+    query_times = torch.cat([*(w[c:] for w, c in zip(window_times, cached)), *candidate_times,
+                             torch.tensor([NO_TIME])]).to(torch.int64)
+    bias = RelativeAttentionBias(heads, position_buckets, time_buckets)
+    with torch.no_grad():
+        bias.position.copy_(torch.randn(bias.position.shape, generator=generator))
+        bias.time.copy_(torch.randn(bias.time.shape, generator=generator))
+    common = dict(window_times=window_times, candidate_times=candidate_times, query_times=query_times, bias=bias)
     if page_size == 0:
         assert not any(cached)
-        return AttentionCase(cached, new, cands, q, k, v, windows, KeyAddressing(0), k, v)
+        return AttentionCase(cached, new, cands, q, k, v, windows, KeyAddressing(0), k, v, key_times=query_times,
+                             **common)
     pages_needed = [-(-(c + n) // page_size) for c, n in zip(cached, new)]
     num_pages = sum(pages_needed) + 3
     order = rng.permutation(num_pages)[: sum(pages_needed)]  # non-contiguous, shuffled pages
     indptr = np.concatenate([[0], np.cumsum(pages_needed)]).astype(np.int64)
     pool_k = torch.full((num_pages * page_size, heads, head_dim), float("nan"), dtype=dtype)  # unused slots poison
     pool_v = pool_k.clone()
+    pool_times = torch.full((num_pages * page_size,), -(2**62), dtype=torch.int64)  # unused slots: absurd times
     for b in range(len(cached)):
         window_k = torch.cat([windows[b][0], k[hist_off[b]:hist_off[b + 1]]])
         window_v = torch.cat([windows[b][1], v[hist_off[b]:hist_off[b + 1]]])
         for j in range(len(window_k)):
             slot = order[indptr[b] + j // page_size] * page_size + j % page_size
-            pool_k[slot], pool_v[slot] = window_k[j], window_v[j]
+            pool_k[slot], pool_v[slot], pool_times[slot] = window_k[j], window_v[j], window_times[b][j]
     addressing = KeyAddressing(page_size, indptr, order.astype(np.int64))
-    return AttentionCase(cached, new, cands, q, k, v, windows, addressing, pool_k, pool_v)
+    return AttentionCase(cached, new, cands, q, k, v, windows, addressing, pool_k, pool_v, key_times=pool_times,
+                         **common)
 
 
 def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:
-    """Random weights with large embeddings, so every input token visibly moves the logits."""
+    """Random weights with large embeddings and relative-bias tables, so every input token, and where and
+    when it sits, visibly moves the logits."""
     torch.manual_seed(seed)
     model = HSTURecommender(config).eval()
     with torch.no_grad():
@@ -303,6 +392,10 @@ def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:
         if model.counter_features is not None:
             for weight in model.counter_features.parameters():
                 weight.normal_(std=0.3)
+        for layer in model.layers:  # every position and time bucket visibly moves the scores
+            if layer.relative_bias is not None:
+                layer.relative_bias.position.normal_(std=1.0)
+                layer.relative_bias.time.normal_(std=1.0)
     return model
 
 

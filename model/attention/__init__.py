@@ -14,9 +14,12 @@ from torch import Tensor
 from model.attention import triton_attention
 from model.attention.blocked import blocked_hstu_attention
 from model.attention.plan import AttentionPlan, BlockSchedule, KeyAddressing, plan_attention
+from model.attention.relative_bias import BiasInputs, RelativeAttentionBias
 from model.attention.triton_attention import triton_hstu_attention
 
-_SCHEDULE_FIELDS = ("block_rows", "block_key_end", "pair_blocks", "key_rows", "key_positions", "row_source")
+_SCHEDULE_FIELDS = (
+    "block_rows", "block_key_end", "block_query_positions", "pair_blocks", "key_rows", "key_positions", "row_source",
+)
 _SCHEDULES = {"all": "all_rows", "candidates": "candidate_rows"}
 
 
@@ -46,26 +49,32 @@ class BatchAttention:
 def attend(
     q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, attention: BatchAttention,
     candidates_only: bool, alpha: float, normalizer: float,
+    bias: RelativeAttentionBias | None = None, bias_inputs: BiasInputs | None = None,
 ) -> Tensor:
-    """[T, H, D] attention outputs (history rows are left zero when `candidates_only`)."""
+    """[T, H, D] attention outputs (history rows are left zero when `candidates_only`); with `bias`, the
+    layer's relative bias over the positions in the plan and the times in `bias_inputs`."""
     plan, which = attention.plan, "candidates" if candidates_only else "all"
+    if bias is not None and bias_inputs is None:
+        raise ValueError("a relative bias needs the batch's BiasInputs")
     if plan.backend == "triton":
         arrays = {name: attention.arrays[f"triton.{name}"] for name in _TRITON_USER_ARRAYS}
         arrays["tile_users"] = attention.arrays[f"triton.{which}.tile_users"]
         arrays["tile_rows"] = attention.arrays[f"triton.{which}.tile_rows"]
         return triton_hstu_attention(
             q, k, v, keys, values, arrays, plan.num_history_rows, plan.addressing.page_size, plan.splits,
-            alpha, normalizer,
+            alpha, normalizer, bias=bias, bias_inputs=bias_inputs,
         )
     schedule: BlockSchedule = getattr(plan, _SCHEDULES[which])
     arrays = {name: attention.arrays[f"{which}.{name}"] for name in _SCHEDULE_FIELDS}
     return blocked_hstu_attention(
-        q, k, v, keys, values, arrays, schedule.num_blocks, schedule.num_pairs, plan.num_history_rows, alpha, normalizer
+        q, k, v, keys, values, arrays, schedule.num_blocks, schedule.num_pairs, plan.num_history_rows, alpha, normalizer,
+        bias=bias, bias_inputs=bias_inputs, schedule_name=which,
     )
 
 
 _TRITON_USER_ARRAYS = ("history_offsets", "candidate_offsets", "cached_lengths", "page_indptr", "page_indices")
 
 __all__ = [
-    "AttentionPlan", "BatchAttention", "KeyAddressing", "attend", "host_inputs", "plan_attention", "triton_attention",
+    "AttentionPlan", "BatchAttention", "BiasInputs", "KeyAddressing", "RelativeAttentionBias", "attend", "host_inputs",
+    "plan_attention", "triton_attention",
 ]

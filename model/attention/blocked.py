@@ -4,12 +4,18 @@ It walks the (query block, key block) pairs of a `BlockSchedule` (model/attentio
 chunks: gather the blocks' queries and keys, score, mask, multiply by the values, and add each
 block's output into its query rows. The op count depends on the number of chunks (the batch's
 total work), never on the number of users, and nothing is read back from the device.
+
+With a relative bias (model/attention/relative_bias.py), each pair's scores get the bias of its
+(query, key) distances: the bucket index of every pair is computed once per forward, by the first
+layer, and every layer then gathers its own table's rows with it.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from model.attention.relative_bias import BiasInputs, RelativeAttentionBias
 
 MAX_SCORE_ELEMENTS = 1 << 22  # per chunk: the [pairs, H, QB, KB] scores stay near the cache (16 MiB in fp32)
 
@@ -26,11 +32,15 @@ def blocked_hstu_attention(
     num_history_rows: int,
     alpha: float,
     normalizer: float,
+    bias: RelativeAttentionBias | None = None,
+    bias_inputs: BiasInputs | None = None,
+    schedule_name: str = "",
 ) -> Tensor:
     """-> [T, H, D]: rows the schedule covers hold their attention output (others are 0).
 
     Pairs are gathered and multiplied in chunks; each pair's output is added into its query
     block (a few large slices), and every row then gathers its output from its block.
+    `schedule_name` names the schedule in `bias_inputs`' per-forward cache of bucket indices.
     """
     _, H, D = q.shape
     acc_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
@@ -41,6 +51,7 @@ def blocked_hstu_attention(
     block_out = torch.zeros(num_blocks, H, query_block, D, dtype=acc_dtype, device=q.device)
     pairs_per_chunk = max(1, MAX_SCORE_ELEMENTS // (H * query_block * key_block))
     grad = torch.is_grad_enabled()
+    table = bias.pair_table().to(q.dtype) if bias is not None else None  # [P * (T + 1), H]
     for first in range(0, num_pairs, pairs_per_chunk):
         chunk = slice(first, first + pairs_per_chunk)
         blocks = schedule["pair_blocks"][chunk]  # [p]
@@ -49,6 +60,10 @@ def blocked_hstu_attention(
         k_pairs = keys.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype).permute(0, 2, 3, 1)  # [p, H, D, KB]
         v_pairs = values.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype).transpose(1, 2)  # [p, H, KB, D]
         scores = torch.matmul(q_blocks.index_select(0, blocks), k_pairs) * alpha  # [p, H, QB, KB]
+        if table is not None:
+            index = _pair_index(bias, bias_inputs, schedule, schedule_name, chunk, blocks, key_rows)  # [p, QB, KB]
+            pair_bias = table.index_select(0, index.view(-1)).view(p, query_block, key_block, H)
+            scores = scores + pair_bias.permute(0, 3, 1, 2)
         scores = F.silu(scores, inplace=not grad)
         key_end = schedule["block_key_end"].index_select(0, blocks)  # [p, QB]
         hidden = (schedule["key_positions"][chunk][:, None, :] >= key_end[:, :, None])[:, None]  # [p, 1, QB, KB]
@@ -60,6 +75,26 @@ def blocked_hstu_attention(
     out = slots.index_select(0, schedule["row_source"])  # [T, H, D]
     # M-FALCON: each candidate also sees itself, and no other candidate (never in the key rows).
     q_c, k_c, v_c = q[num_history_rows:], k[num_history_rows:], v[num_history_rows:]
-    self_score = F.silu(alpha * (q_c * k_c).sum(-1, keepdim=True))  # [M, H, 1]
+    self_logit = alpha * (q_c * k_c).sum(-1, keepdim=True)  # [M, H, 1]
+    if bias is not None:
+        self_logit = self_logit + bias.self_bias().to(q.dtype)[:, None]
+    self_score = F.silu(self_logit)
     out = torch.cat([out[:num_history_rows], out[num_history_rows:] + (self_score * v_c).to(acc_dtype)])
     return (out / normalizer).to(q.dtype)
+
+
+def _pair_index(bias: RelativeAttentionBias, inputs: BiasInputs, schedule: dict[str, Tensor], schedule_name: str,
+                chunk: slice, blocks: Tensor, key_rows: Tensor) -> Tensor:
+    """The chunk's [p, QB, KB] rows of the pair table: computed by the forward's first layer, reused by the others."""
+    key = (schedule_name, chunk.start)
+    index = inputs.pair_index_cache.get(key)
+    if index is None:
+        p, query_block = len(blocks), schedule["block_rows"].shape[1]
+        query_rows = schedule["block_rows"].index_select(0, blocks).view(-1)
+        query_times = inputs.query_times.index_select(0, query_rows).view(p, query_block, 1)
+        key_times = inputs.key_times.index_select(0, key_rows).view(p, 1, -1)
+        query_positions = schedule["block_query_positions"].index_select(0, blocks)[:, :, None]
+        key_positions = schedule["key_positions"][chunk][:, None, :]
+        index = bias.pair_index(query_positions, key_positions, query_times, key_times)
+        inputs.pair_index_cache[key] = index
+    return index

@@ -66,6 +66,7 @@ class BlockSchedule:
     block_first_row: np.ndarray  # [Q] its first row in the user's query sequence [history | candidates]
     block_rows: np.ndarray  # [Q, query_block] row of q, or T (a padding row) past the block's end
     block_key_end: np.ndarray  # [Q, query_block] keys j < key_end are seen (0 for padding)
+    block_query_positions: np.ndarray  # [Q, query_block] window position of the query (relative bias; 0 for padding)
     pair_blocks: np.ndarray  # [P] the query block of each pair (pairs of a block are consecutive)
     key_rows: np.ndarray  # [P, key_block] row of the key/value tensor (the user's key 0 for padding)
     key_positions: np.ndarray  # [P, key_block] key position j, NO_KEY for padding
@@ -203,6 +204,11 @@ class _Scheduler:
         n, c = self.n[user], self.c[user]
         return np.where(row < n, c + row + 1, c + n)
 
+    def query_position(self, user: np.ndarray, row: np.ndarray) -> np.ndarray:
+        """Window position of query row `row`: a history row's own, the window's length for a candidate."""
+        n, c = self.n[user], self.c[user]
+        return np.where(row < n, c + row, c + n)
+
     def blocks(self, first_row: np.ndarray, qb: int) -> BlockSchedule:
         """The blocks of `qb` rows and pairs for query rows first_row[b] .. n_b + m_b - 1 of every user b."""
         kb = self.kb
@@ -238,6 +244,7 @@ class _Scheduler:
             block_first_row=block_first,
             block_rows=q_rows,
             block_key_end=np.where(valid_row, self.key_end(block_user[:, None], row), 0),
+            block_query_positions=np.where(valid_row, self.query_position(block_user[:, None], row), 0),
             pair_blocks=pair_block,
             key_rows=k_rows,
             key_positions=np.where(valid_key, pos, NO_KEY),

@@ -13,6 +13,11 @@ the candidate's own key/value (M-FALCON: itself, no other candidate) is added by
 Accumulation is in fp32. The key range stops at the tile's last row's key end, so blocks
 above the causal diagonal are never visited.
 
+With a relative bias (model/attention/relative_bias.py) the tile computes each score's position
+and time buckets in registers, from the key's window position and its time (read beside the key:
+the page pool's times, or the batch's rows), and adds the bias read from the layer's small
+tables: no [queries x keys] bias is ever written to memory.
+
 HSTU has no softmax, so a long key range can be split across programs (`num_splits`) whose
 partial outputs simply add: with few users (batch 1) this keeps every SM busy. Partials go
 to an fp32 buffer [splits, T, H, D] summed afterwards in one op, so results do not depend on
@@ -31,6 +36,9 @@ import os
 import numpy as np
 import torch
 from torch import Tensor
+
+from model.attention import relative_bias
+from model.attention.relative_bias import BiasInputs, RelativeAttentionBias
 
 try:
     import triton
@@ -83,17 +91,36 @@ def num_splits(num_tiles: int, num_heads: int, max_keys: int, device: torch.devi
 
 
 if triton is not None:
+    # The bias's constants, as the constexprs a kernel may read (relative_bias.log_bucket's, per subdivision s:
+    # the mantissa shift 23 - s, the exact range 2^s, and the offset (126 + s) 2^s).
+    EXACT_FLOAT_LIMIT = tl.constexpr(relative_bias.EXACT_FLOAT_LIMIT)
+    MS_PER_SECOND = tl.constexpr(relative_bias.MS_PER_SECOND)
+    NO_TIME = tl.constexpr(relative_bias.NO_TIME)
+    _P, _T = relative_bias.POSITION_SUBDIVISION, relative_bias.TIME_SUBDIVISION
+    POSITION_SHIFT, POSITION_EXACT, POSITION_OFFSET = (tl.constexpr(23 - _P), tl.constexpr(1 << _P),
+                                                       tl.constexpr((126 + _P) << _P))
+    TIME_SHIFT, TIME_EXACT, TIME_OFFSET = tl.constexpr(23 - _T), tl.constexpr(1 << _T), tl.constexpr((126 + _T) << _T)
+
+    @triton.jit
+    def _log_bucket(distance, SHIFT: tl.constexpr, EXACT: tl.constexpr, OFFSET: tl.constexpr, NUM_BUCKETS: tl.constexpr):
+        """relative_bias.log_bucket, on int64 distances in registers."""
+        d = tl.minimum(tl.maximum(distance, 0), EXACT_FLOAT_LIMIT)
+        mantissa_bits = d.to(tl.int32).to(tl.float32).to(tl.int32, bitcast=True) >> SHIFT
+        logarithmic = mantissa_bits.to(tl.int64) - OFFSET
+        return tl.minimum(tl.where(d < EXACT, d, logarithmic), NUM_BUCKETS - 1)
 
     @triton.jit
     def _hstu_attention_kernel(
         Q, K, V, KEYS, VALUES, OUT,
         history_offsets, candidate_offsets, cached_lengths, page_indptr, page_indices, tile_users, tile_rows,
+        QUERY_TIMES, KEY_TIMES, POSITION_BIAS, TIME_BIAS,
         history_rows, alpha, inv_normalizer,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_keys_t, stride_keys_h, stride_values_t, stride_values_h,
         stride_os, stride_ot, stride_oh,
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        POSITION_BUCKETS: tl.constexpr, TIME_BUCKETS: tl.constexpr,
     ):
         tile, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         user = tl.load(tile_users + tile)
@@ -115,6 +142,9 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
                     mask=valid_row[:, None], other=0.0)
+        query_positions = tl.where(is_history, c + rows, window)
+        if TIME_BUCKETS > 0:
+            query_times = tl.load(QUERY_TIMES + q_rows, mask=valid_row, other=NO_TIME)
 
         last = tl.minimum(row0 + BM, n + m) - 1
         tile_keys = tl.where(last < n, c + last + 1, window)
@@ -139,6 +169,16 @@ if triton is not None:
             else:
                 scores = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION)
             scores = scores * alpha  # [BM, BN] fp32
+            if POSITION_BUCKETS > 0:
+                bucket = _log_bucket(query_positions[:, None] - keys[None, :], POSITION_SHIFT, POSITION_EXACT,
+                                     POSITION_OFFSET, POSITION_BUCKETS)
+                scores += tl.load(POSITION_BIAS + head * POSITION_BUCKETS + bucket)
+            if TIME_BUCKETS > 0:
+                key_times = tl.load(KEY_TIMES + key_rows, mask=valid_key, other=NO_TIME)
+                seconds = tl.maximum(query_times[:, None] - key_times[None, :], 0) // MS_PER_SECOND
+                bucket = _log_bucket(seconds, TIME_SHIFT, TIME_EXACT, TIME_OFFSET, TIME_BUCKETS)
+                bucket = tl.where((query_times[:, None] < 0) | (key_times[None, :] < 0), TIME_BUCKETS, bucket)
+                scores += tl.load(TIME_BIAS + head * (TIME_BUCKETS + 1) + bucket)
             scores = scores * tl.sigmoid(scores)
             scores = tl.where(keys[None, :] < key_end[:, None], scores, 0.0)
             v = tl.load(VALUES + key_rows[:, None] * stride_values_t + head * stride_values_h + dims[None, :],
@@ -155,6 +195,10 @@ if triton is not None:
             v_own = tl.load(V + q_rows[:, None] * stride_vt + head * stride_vh + dims[None, :],
                             mask=own[:, None], other=0.0).to(tl.float32)
             self_score = tl.sum(q.to(tl.float32) * k_own, axis=1) * alpha
+            if POSITION_BUCKETS > 0:  # distance 0
+                self_score += tl.load(POSITION_BIAS + head * POSITION_BUCKETS)
+            if TIME_BUCKETS > 0:  # 0 seconds
+                self_score += tl.load(TIME_BIAS + head * (TIME_BUCKETS + 1))
             self_score = self_score * tl.sigmoid(self_score)
             acc += self_score[:, None] * v_own
 
@@ -175,10 +219,19 @@ def triton_hstu_attention(
     splits: int,
     alpha: float,
     normalizer: float,
+    bias: RelativeAttentionBias | None = None,
+    bias_inputs: BiasInputs | None = None,
 ) -> Tensor:
     """-> [T, H, D] in q's dtype; rows no tile covers are 0."""
     T, H, D = q.shape
     tiles = arrays["tile_users"].shape[0]
+    position_buckets = bias.num_position_buckets if bias is not None else 0
+    time_buckets = bias.num_time_buckets if bias is not None else 0
+    # Tables as fp32 the kernel adds to its fp32 scores; tensors it never reads (no bias) stand in for absent ones.
+    position_bias = bias.position.float().contiguous() if position_buckets else q
+    time_bias = bias.time.float().contiguous() if time_buckets else q
+    query_times = bias_inputs.query_times if time_buckets else arrays["tile_rows"]
+    key_times = bias_inputs.key_times if time_buckets else arrays["tile_rows"]
     if splits > 1:
         out = torch.zeros((splits, T, H, D), dtype=torch.float32, device=q.device)
     else:
@@ -188,6 +241,7 @@ def triton_hstu_attention(
             q, k, v, keys, values, out,
             arrays["history_offsets"], arrays["candidate_offsets"], arrays["cached_lengths"],
             arrays["page_indptr"], arrays["page_indices"], arrays["tile_users"], arrays["tile_rows"],
+            query_times, key_times, position_bias, time_bias,
             history_rows, alpha, 1.0 / normalizer,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
@@ -195,6 +249,7 @@ def triton_hstu_attention(
             PAGE_SIZE=page_size, HEAD_DIM=D, BM=BLOCK_M, BN=BLOCK_N, NUM_SPLITS=splits,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 parity needs full-precision dots
             UPCAST=_INTERPRETED and q.dtype != torch.float32,  # Triton's interpreter has no bf16/fp16 dot
+            POSITION_BUCKETS=position_buckets, TIME_BUCKETS=time_buckets,
             num_warps=4, num_stages=2,
         )
     return out.sum(0).to(q.dtype) if splits > 1 else out[0]

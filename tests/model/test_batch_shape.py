@@ -57,7 +57,7 @@ def test_paged_visit_in_a_bucket_equals_exact_and_padding_writes_only_the_sink(s
     def forward(shape):
         meta = cache.prepare_kv_cache(users, [prefix + 10] * len(users), [2 + u for u in users],
                                       expected_cached_lengths=[prefix + 10] * len(users))
-        kv = PagedKV(cache.k_cache, cache.v_cache, meta, cache.sink_slot)
+        kv = PagedKV(cache, meta)
         with torch.inference_mode():
             logits = model.run(model.prepare_inputs(batch, kv, shape), kv)
         cache.rollback(meta)

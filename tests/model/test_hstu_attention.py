@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import dense_hstu_reference, paged_attention_case
+from helpers import paged_attention_case
 from model.attention import BatchAttention, attend, host_inputs
 from model.attention.plan import QUERY_BLOCKS, KeyAddressing, plan_attention, query_block_for
 
@@ -14,26 +14,22 @@ H, D, ALPHA, N = 2, 8, 0.3, 64.0
 
 @pytest.mark.parametrize("page_size", [0, 1, 4, 16])
 @pytest.mark.parametrize("query_block, key_block", [(4, 8), (128, 256), (3, 5), (None, None)])
-def test_batched_attention_matches_the_dense_reference(page_size, query_block, key_block):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_batched_attention_matches_the_dense_reference(page_size, query_block, key_block, with_bias):
     rng = np.random.default_rng(page_size * 7 + (query_block or 1))
-    torch.manual_seed(query_block or 1)
     cached = [0] * 5 if page_size == 0 else [0, 20, 50, 3, 9]
     new, cands = [1, 13, 0, 16, 40], [1, 3, 4, 0, 7]  # no new events; no candidates
     case = paged_attention_case(rng, cached, new, cands, page_size, heads=H, head_dim=D)
-    q, k, v, windows, addressing, keys, values = case.q, case.k, case.v, case.windows, case.addressing, case.keys, case.values
-    plan = plan_attention(np.array(new), np.array(cands), np.array(cached), addressing,
+    q, k, v, keys, values = case.q, case.k, case.v, case.keys, case.values
+    plan = plan_attention(np.array(new), np.array(cands), np.array(cached), case.addressing,
                           query_block=query_block, key_block=key_block)
     attention = BatchAttention.from_device(plan, {name: torch.from_numpy(a) for name, a in host_inputs(plan).items()})
-    out = attend(q, k, v, keys, values, attention, candidates_only=False, alpha=ALPHA, normalizer=N)
-    cand_only = attend(q, k, v, keys, values, attention, candidates_only=True, alpha=ALPHA, normalizer=N)
-
-    n_hist, hist_off, cand_off = sum(new), np.cumsum([0, *new]), np.cumsum([0, *cands])
+    bias = dict(bias=case.bias, bias_inputs=case.bias_inputs()) if with_bias else {}
+    out = attend(q, k, v, keys, values, attention, candidates_only=False, alpha=ALPHA, normalizer=N, **bias)
+    cand_only = attend(q, k, v, keys, values, attention, candidates_only=True, alpha=ALPHA, normalizer=N, **bias)
     for b in range(len(new)):
-        h, c = slice(hist_off[b], hist_off[b + 1]), slice(n_hist + cand_off[b], n_hist + cand_off[b + 1])
-        ref_hist, ref_cand = dense_hstu_reference(
-            q[h], q[c], k[c], v[c], torch.cat([windows[b][0], k[h]]), torch.cat([windows[b][1], v[h]]),
-            cached[b], ALPHA, N,
-        )
+        h, c = case.rows(b)
+        ref_hist, ref_cand = case.reference(b, with_bias)
         torch.testing.assert_close(out[h], ref_hist)
         torch.testing.assert_close(out[c], ref_cand)
         torch.testing.assert_close(cand_only[c], ref_cand)

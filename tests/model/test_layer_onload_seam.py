@@ -1,6 +1,7 @@
-"""The model waits for an onloaded layer right before it uses it: layer l asks the cache for layer l's
-pages (where the manager makes compute wait for that layer's onload) only once layers < l have
-appended theirs, and the logits of visits onloaded from any tier equal a full recompute."""
+"""The model waits for an onloaded layer right before it uses it: the tokens' times first (they come
+with layer 0), then layer l asks the cache for layer l's pages (where the manager makes compute
+wait for that layer's onload) only once layers < l have appended theirs, and the logits of visits
+onloaded from any tier equal a full recompute."""
 from __future__ import annotations
 
 import numpy as np
@@ -49,6 +50,14 @@ class LayerReadinessLog:
         self.asked.append(("v", layer, self._appended()))
         return self.cache.v_cache(layer)
 
+    def times_cache(self) -> torch.Tensor:
+        self.asked.append(("times", 0, self._appended()))
+        return self.cache.times_cache()
+
+    @property
+    def sink_slot(self) -> int:
+        return self.cache.sink_slot
+
     def _rows(self, layer: int) -> torch.Tensor:
         cfg = self.cache.config
         return self.cache.k_cache(layer).view(-1, cfg.num_heads, cfg.head_dim)
@@ -94,14 +103,14 @@ def test_each_layer_asks_for_its_pages_right_before_it_and_onloads_from_every_ti
     def logged_forward(batch, kv):
         log = LayerReadinessLog(cache, kv.metadata.new_token_slots)
         logs.append(log)
-        return model(batch, PagedKV(log.k_cache, log.v_cache, kv.metadata, kv.sink_slot))
+        return model(batch, PagedKV(log, kv.metadata))
 
     visits = [Visit(u, 45, random_candidates(rng, 3)) for u in users]
     onloaded_before = cache.stats().onloaded_bytes
     cached = serve(model, cache, histories, visits, forward=logged_forward)
     assert cache.stats().onloaded_bytes > onloaded_before and cache.stats().hits == len(users)
     assert_logits_close(cached, serve(model, None, histories, visits))
-    expected = [(which, layer, tuple(range(layer))) for layer in range(cfg.num_layers) for which in ("k", "v")]
-    assert [log.asked for log in logs] == [expected]
+    layers = [(which, layer, tuple(range(layer))) for layer in range(cfg.num_layers) for which in ("k", "v")]
+    assert [log.asked for log in logs] == [[("times", 0, ()), *layers]]  # the times first, once
     cache.close()
     host.close()

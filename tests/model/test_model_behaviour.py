@@ -115,7 +115,7 @@ def test_a_kv_store_that_does_not_hold_what_the_batch_continues_is_refused(setup
     meta = cache.prepare_kv_cache([0], [prefix + 10], [10])  # an unguarded prepare: nothing cached
     before = cache_snapshot(cache, [0], cfg.num_layers)
     with pytest.raises(ValueError, match="User 0: batch carries events that do not continue"), torch.inference_mode():
-        model(continuing, PagedKV(cache.k_cache, cache.v_cache, meta))
+        model(continuing, PagedKV(cache, meta))
     assert_same_data(before, cache_snapshot(cache, [0], cfg.num_layers))
     cache.rollback(meta)
     assert cache.stats().pages_in_use == 0

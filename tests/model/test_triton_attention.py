@@ -9,7 +9,6 @@ import torch
 from helpers import (
     Visit,
     assert_logits_close,
-    dense_hstu_reference,
     make_cache,
     paged_attention_case,
     random_candidates,
@@ -18,8 +17,9 @@ from helpers import (
     serve,
     tiny_config,
 )
-from model.attention import BatchAttention, attend, host_inputs
+from model.attention import BatchAttention, BiasInputs, attend, host_inputs
 from model.attention.plan import plan_attention
+from model.attention.relative_bias import NO_TIME
 from model.batch_shape import BatchShape
 
 triton_attention = pytest.importorskip("model.attention.triton_attention")
@@ -32,35 +32,39 @@ H, D, ALPHA, N = 2, 16, 0.3, 64.0
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU: Triton's interpreter (tests/conftest.py)
 
 
-def _run(case, candidates_only, shape=None, splits=1, page_capacity=None):
+def _run(case, candidates_only, shape=None, splits=1, page_capacity=None, with_bias=True):
     plan = plan_attention(np.array(case.new), np.array(case.cands), np.array(case.cached), case.addressing,
                           shape=shape, backend="triton", splits=splits, page_capacity=page_capacity)
     arrays = {name: torch.from_numpy(a).to(DEVICE) for name, a in host_inputs(plan).items()}
     attention = BatchAttention.from_device(plan, arrays)
     q, k, v = case.q.to(DEVICE), case.k.to(DEVICE), case.v.to(DEVICE)
+    bias_inputs = case.bias_inputs(DEVICE)
     if shape is not None:  # candidates start at the bucket's history capacity
-        pad = lambda t: torch.cat([t[: sum(case.new)], t.new_zeros(shape.history_rows - sum(case.new), H, D),
-                                   t[sum(case.new):], t.new_zeros(shape.candidate_rows - sum(case.cands), H, D)])
+        n_hist, M = sum(case.new), sum(case.cands)
+
+        def pad(t, fill=0):
+            gap = lambda rows: t.new_full((rows, *t.shape[1:]), fill)
+            return torch.cat([t[:n_hist], gap(shape.history_rows - n_hist), t[n_hist : n_hist + M],
+                              gap(shape.candidate_rows - M + (len(t) - n_hist - M))])
+
         q, k, v = pad(q), pad(k), pad(v)
+        query_times = pad(bias_inputs.query_times, NO_TIME)
+        bias_inputs = BiasInputs(query_times, bias_inputs.key_times if case.addressing.paged else query_times)
         keys, values = (case.keys.to(DEVICE), case.values.to(DEVICE)) if case.addressing.paged else (k, v)
     else:
         keys, values = case.keys.to(DEVICE), case.values.to(DEVICE)
-    out = attend(q, k, v, keys, values, attention, candidates_only=candidates_only, alpha=ALPHA, normalizer=N)
+    bias = dict(bias=case.bias.to(DEVICE), bias_inputs=bias_inputs) if with_bias else {}
+    out = attend(q, k, v, keys, values, attention, candidates_only=candidates_only, alpha=ALPHA, normalizer=N, **bias)
     if shape is not None:
         n_hist = sum(case.new)
         out = torch.cat([out[:n_hist], out[shape.history_rows : shape.history_rows + sum(case.cands)]])
     return out.cpu()
 
 
-def _check(case, out, candidates_only, atol=1e-5, rtol=1e-5):
-    n_hist, hist_off, cand_off = sum(case.new), np.cumsum([0, *case.new]), np.cumsum([0, *case.cands])
+def _check(case, out, candidates_only, with_bias=True, atol=1e-5, rtol=1e-5):
     for b in range(len(case.new)):
-        h, c = slice(hist_off[b], hist_off[b + 1]), slice(n_hist + cand_off[b], n_hist + cand_off[b + 1])
-        ref_hist, ref_cand = dense_hstu_reference(
-            case.q[h].double(), case.q[c].double(), case.k[c].double(), case.v[c].double(),
-            torch.cat([case.windows[b][0], case.k[h]]).double(), torch.cat([case.windows[b][1], case.v[h]]).double(),
-            case.cached[b], ALPHA, N,
-        )
+        h, c = case.rows(b)
+        ref_hist, ref_cand = case.reference(b, with_bias)
         if not candidates_only:
             torch.testing.assert_close(out[h].double(), ref_hist, atol=atol, rtol=rtol)
         torch.testing.assert_close(out[c].double(), ref_cand, atol=atol, rtol=rtol)
@@ -68,12 +72,13 @@ def _check(case, out, candidates_only, atol=1e-5, rtol=1e-5):
 
 @pytest.mark.parametrize("page_size", [0, 1, 4, 16])
 @pytest.mark.parametrize("candidates_only", [False, True])
-def test_kernel_matches_the_dense_reference(page_size, candidates_only):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_the_dense_reference(page_size, candidates_only, with_bias):
     # ragged lengths, a user with no new events, one with no candidates, one with nothing at all
     cached = [0] * 5 if page_size == 0 else [0, 70, 3, 0, 9]
     case = paged_attention_case(np.random.default_rng(page_size), cached, new=[1, 0, 66, 0, 5], cands=[3, 4, 0, 0, 2],
                                 page_size=page_size, heads=H, head_dim=D, dtype=torch.float32)
-    _check(case, _run(case, candidates_only), candidates_only)
+    _check(case, _run(case, candidates_only, with_bias=with_bias), candidates_only, with_bias)
 
 
 @pytest.mark.parametrize("splits", [2, 3])
@@ -94,6 +99,41 @@ def test_bfloat16_inputs_accumulate_in_fp32():
     case = paged_attention_case(np.random.default_rng(2), [33, 0], new=[4, 20], cands=[6, 2], page_size=16,
                                 heads=H, head_dim=D, dtype=torch.bfloat16)
     _check(case, _run(case, False), False, atol=2e-2, rtol=2e-2)
+
+
+def test_kernel_buckets_equal_torch_buckets():
+    """The kernel's bucket arithmetic (float32 bits in registers) agrees with relative_bias.log_bucket and
+    time_bucket on every distance it can meet, so both backends bias every pair alike."""
+    import triton
+    import triton.language as tl
+
+    from model.attention.relative_bias import POSITION_SUBDIVISION, log_bucket, time_bucket
+
+    @triton.jit
+    def buckets(DIST, QT, KT, POS, TIME, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        d = tl.load(DIST + i, mask=mask, other=0)
+        tl.store(POS + i, triton_attention._log_bucket(d, triton_attention.POSITION_SHIFT,
+                                                       triton_attention.POSITION_EXACT,
+                                                       triton_attention.POSITION_OFFSET, 81), mask=mask)
+        qt, kt = tl.load(QT + i, mask=mask, other=0), tl.load(KT + i, mask=mask, other=0)
+        seconds = tl.maximum(qt - kt, 0) // triton_attention.MS_PER_SECOND
+        b = triton_attention._log_bucket(seconds, triton_attention.TIME_SHIFT, triton_attention.TIME_EXACT,
+                                         triton_attention.TIME_OFFSET, 92)
+        tl.store(TIME + i, tl.where((qt < 0) | (kt < 0), 92, b), mask=mask)
+
+    rng = np.random.default_rng(0)
+    powers = np.array([1 << e for e in range(40)], dtype=np.int64)
+    distance = np.concatenate([np.arange(-3, 300), powers - 1, powers, powers + 1, rng.integers(0, 1 << 40, 2000)])
+    key_times = 1_650_000_000_000 + rng.integers(-10, 10**10, len(distance))
+    query_times = key_times + distance * rng.choice([1, 999, 1000, 1001], len(distance))
+    query_times[::97], key_times[::89] = NO_TIME, NO_TIME
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(DEVICE)
+    pos, time = t(np.zeros(len(distance))), t(np.zeros(len(distance)))
+    buckets[(-(-len(distance) // 256),)](t(distance), t(query_times), t(key_times), pos, time, len(distance), BLOCK=256)
+    assert torch.equal(pos.cpu(), log_bucket(t(distance).cpu(), POSITION_SUBDIVISION, 81))
+    assert torch.equal(time.cpu(), time_bucket(t(query_times).cpu(), t(key_times).cpu(), 92))
 
 
 def test_the_launch_reads_nothing_back_from_the_device():

@@ -1,0 +1,109 @@
+"""HSTU's relative attention bias: a learned offset per head for how far apart, in position and in
+time, a query and a key are.
+
+    A_ij = SiLU(α q_i·k_j + rab_p[h, bucket_p(i - j)] + rab_t[h, bucket_t(t_i - t_j)]) / N
+
+`i - j` is the distance between window positions (a history row's own position, or the window's
+length for a candidate, so the newest event is 1 away from every candidate). `t_i - t_j` is in
+whole seconds between the tokens' timestamps (a history event's own; a candidate's is the
+request's). Contextual-prefix tokens have no time (`NO_TIME`): any pair involving one reads the
+time table's last row. Both tables start at zero, so a fresh model attends exactly as without them.
+
+Buckets are log-linear, like the exponent and the leading mantissa bits of a float: distances
+below 2^s each get their own bucket, then every doubling is cut into 2^s buckets (s = 3 for
+positions: the last 16 events are told apart exactly; s = 2 for seconds). They are computed
+from the bits of the float32 nearest to the distance, which integer-to-float conversion rounds
+the same way (IEEE round-to-nearest-even) in torch, numpy and Triton, so the bucket of a pair is
+identical on every backend and in any split of a history into visits: a cached key's bias is
+computed from its stored position and time exactly as it was when the key was new.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+POSITION_SUBDIVISION = 3  # 8 buckets per doubling of the distance in positions, exact below 16
+TIME_SUBDIVISION = 2  # 4 buckets per doubling of the distance in seconds
+NO_TIME = -1  # the time of a token that has none (a contextual-prefix token)
+MS_PER_SECOND = 1000
+EXACT_FLOAT_LIMIT = (1 << 24) - 1  # distances are capped here before the float conversion: exact in float32
+
+
+def max_buckets(subdivision: int) -> int:
+    """Buckets up to the capped distance (2^24 - 1, ~194 days of seconds): more would never be used."""
+    return (25 - subdivision) << subdivision
+
+
+MAX_POSITION_BUCKETS = max_buckets(POSITION_SUBDIVISION)  # 176
+MAX_TIME_BUCKETS = max_buckets(TIME_SUBDIVISION)  # 92
+
+
+def log_bucket(distance: Tensor, subdivision: int, num_buckets: int) -> Tensor:
+    """Bucket of each integer distance >= 0 (int64 in, int64 out, in [0, num_buckets)).
+
+    d < 2^s: d itself; else (e - s + 1) 2^s + (the s bits after the leading one), e = floor(log2 d).
+    """
+    d = distance.clamp(0, EXACT_FLOAT_LIMIT)
+    mantissa_bits = d.to(torch.int32).to(torch.float32).view(torch.int32) >> (23 - subdivision)
+    logarithmic = mantissa_bits.to(torch.int64) - ((126 + subdivision) << subdivision)
+    return torch.where(d < (1 << subdivision), d, logarithmic).clamp_(max=num_buckets - 1)
+
+
+def time_bucket(query_times: Tensor, key_times: Tensor, num_buckets: int) -> Tensor:
+    """Bucket of the seconds between broadcastable int64 query and key times (ms); `num_buckets` (the
+    table's extra last row) where either has no time."""
+    seconds = torch.div((query_times - key_times).clamp_(min=0), MS_PER_SECOND, rounding_mode="floor")
+    bucket = log_bucket(seconds, TIME_SUBDIVISION, num_buckets)
+    return torch.where((query_times < 0) | (key_times < 0), num_buckets, bucket)
+
+
+@dataclass
+class BiasInputs:
+    """The times a batch's relative bias reads on the device, shared by every layer of one forward."""
+
+    query_times: Tensor  # [T + 1] int64: each row's time in ms (row T: what padding query slots read)
+    key_times: Tensor  # [R] int64: the time of every key row (the page pool's slots, or the batch's rows)
+    pair_index_cache: dict = field(default_factory=dict)  # the blocked path's bucket indices, per chunk
+
+
+class RelativeAttentionBias(nn.Module):
+    """One layer's tables: `position [H, P]` over distance buckets, `time [H, T + 1]` over seconds buckets
+    (the last row: no time). Either may be absent (0 buckets)."""
+
+    def __init__(self, num_heads: int, num_position_buckets: int, num_time_buckets: int,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        if not (0 <= num_position_buckets <= MAX_POSITION_BUCKETS and 0 <= num_time_buckets <= MAX_TIME_BUCKETS):
+            raise ValueError(f"need 0 <= num_position_buckets <= {MAX_POSITION_BUCKETS} and 0 <= num_time_buckets <= "
+                             f"{MAX_TIME_BUCKETS}, got {num_position_buckets} and {num_time_buckets}")
+        self.num_position_buckets, self.num_time_buckets = num_position_buckets, num_time_buckets
+        self.position = nn.Parameter(torch.zeros(num_heads, max(num_position_buckets, 1), device=device),
+                                     requires_grad=num_position_buckets > 0)
+        self.time = nn.Parameter(torch.zeros(num_heads, num_time_buckets + 1, device=device),
+                                 requires_grad=num_time_buckets > 0)
+
+    @property
+    def num_time_rows(self) -> int:
+        return self.num_time_buckets + 1
+
+    def pair_index(self, query_positions: Tensor, key_positions: Tensor, query_times: Tensor, key_times: Tensor
+                   ) -> Tensor:
+        """Broadcastable int64 positions and times -> int32 rows of `pair_table()` (position bucket x time bucket)."""
+        index = torch.zeros((), dtype=torch.int64, device=query_positions.device)
+        if self.num_position_buckets:
+            index = log_bucket(query_positions - key_positions, POSITION_SUBDIVISION, self.num_position_buckets)
+            index = index * self.num_time_rows
+        if self.num_time_buckets:
+            index = index + time_bucket(query_times, key_times, self.num_time_buckets)
+        return index.to(torch.int32)
+
+    def pair_table(self) -> Tensor:
+        """[P * (T + 1), H]: the bias of every (position bucket, time bucket) pair, per head."""
+        table = self.position[:, :, None] + self.time[:, None, :]  # [H, P, T + 1]
+        return table.flatten(1).t()
+
+    def self_bias(self) -> Tensor:
+        """[H]: the bias of a token with itself (distance 0, 0 seconds)."""
+        return self.position[:, 0] + self.time[:, 0]

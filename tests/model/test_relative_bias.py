@@ -1,0 +1,127 @@
+"""HSTU's relative position and time bias: its buckets, its tables, and that cached keys keep theirs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import (
+    Visit,
+    assert_logits_close,
+    make_cache,
+    random_candidates,
+    random_histories,
+    reference_bucket,
+    sensitive_model,
+    serve,
+    tiny_config,
+)
+from model.attention.relative_bias import (
+    MAX_POSITION_BUCKETS,
+    MAX_TIME_BUCKETS,
+    NO_TIME,
+    POSITION_SUBDIVISION,
+    TIME_SUBDIVISION,
+    RelativeAttentionBias,
+    log_bucket,
+    max_buckets,
+    time_bucket,
+)
+from model.recommender import HSTURecommender
+
+
+@pytest.mark.parametrize("subdivision, num_buckets", [(POSITION_SUBDIVISION, MAX_POSITION_BUCKETS),
+                                                     (POSITION_SUBDIVISION, 81), (TIME_SUBDIVISION, MAX_TIME_BUCKETS),
+                                                     (0, max_buckets(0))])
+def test_buckets_follow_their_definition_exactly(subdivision, num_buckets):
+    rng = np.random.default_rng(subdivision)
+    powers = [1 << e for e in range(36)]
+    distances = sorted({*range(0, 600), *powers, *(p - 1 for p in powers), *(p + 1 for p in powers),
+                        *rng.integers(0, 1 << 36, 3000).tolist()})
+    got = log_bucket(torch.tensor(distances), subdivision, num_buckets).tolist()
+    assert got == [reference_bucket(d, subdivision, num_buckets) for d in distances]
+    assert got == sorted(got)  # farther never lands in a nearer bucket
+    exact = [d for d in distances if d < 1 << subdivision]
+    assert got[: len(exact)] == exact  # the nearest distances each have a bucket of their own
+    assert log_bucket(torch.tensor([-5]), subdivision, num_buckets).item() == 0
+
+
+def test_bucket_counts_beyond_the_capped_distance_are_refused():
+    with pytest.raises(ValueError, match="num_time_buckets"):
+        tiny_config(num_time_buckets=MAX_TIME_BUCKETS + 1)
+    with pytest.raises(ValueError, match="num_position_buckets"):
+        RelativeAttentionBias(2, MAX_POSITION_BUCKETS + 1, 0)
+
+
+def test_time_buckets_count_whole_seconds_and_send_missing_times_to_their_own_row():
+    key = torch.tensor([1_000_000, 1_000_000, 1_000_000, 1_000_000, NO_TIME, 5_000])
+    query = torch.tensor([1_000_999, 1_001_000, 1_000_000 + 3_600_000, 999_000, 2_000_000, NO_TIME])
+    got = time_bucket(query, key, 92).tolist()
+    assert got[0] == 0 and got[1] == 1  # 0.999 s, then 1 s
+    assert got[2] == reference_bucket(3600, TIME_SUBDIVISION, 92)
+    assert got[3] == 0  # a key after its query (never attended) clamps, never wraps
+    assert got[4] == got[5] == 92  # no time: the table's last row
+
+
+def test_pair_table_adds_position_and_time_rows_per_head():
+    bias = RelativeAttentionBias(num_heads=3, num_position_buckets=5, num_time_buckets=4)
+    with torch.no_grad():
+        bias.position.copy_(torch.randn(3, 5))
+        bias.time.copy_(torch.randn(3, 5))
+    index = bias.pair_index(torch.tensor([9]), torch.tensor([7]), torch.tensor([10_000]), torch.tensor([7_000]))
+    row = bias.pair_table()[index.long()][0]  # distance 2, 3 seconds
+    expected = bias.position[:, 2] + bias.time[:, reference_bucket(3, TIME_SUBDIVISION, 4)]
+    torch.testing.assert_close(row, expected)
+    torch.testing.assert_close(bias.self_bias(), bias.position[:, 0] + bias.time[:, 0])
+
+
+def _histories_and_visits(cfg, seed=3):
+    rng = np.random.default_rng(seed)
+    histories = random_histories(rng, 3, (40, 90), cfg)
+    return histories, [Visit(u, 30 + 5 * u, random_candidates(rng, 4)) for u in histories]
+
+
+@pytest.mark.parametrize("backend", ["blocked", "triton"])
+def test_zero_tables_score_exactly_as_a_model_without_the_bias(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    cfg = tiny_config()
+    with_bias = sensitive_model(cfg, 0)
+    without = HSTURecommender(cfg.replace(num_position_buckets=0, num_time_buckets=0)).eval()
+    state = {k: v for k, v in with_bias.state_dict().items() if "relative_bias" not in k}
+    without.load_state_dict(state)
+    for layer in with_bias.layers:
+        torch.nn.init.zeros_(layer.relative_bias.position)
+        torch.nn.init.zeros_(layer.relative_bias.time)
+    histories, visits = _histories_and_visits(cfg)
+    with_bias.attention_backend = without.attention_backend = backend
+    assert without.layers[0].relative_bias is None
+    assert torch.equal(serve(with_bias, None, histories, visits), serve(without, None, histories, visits))
+
+
+def test_each_bias_moves_the_scores():
+    cfg = tiny_config()
+    model = sensitive_model(cfg, 0)
+    histories, visits = _histories_and_visits(cfg)
+    reference = serve(model, None, histories, visits)
+    for table in ("position", "time"):
+        changed = sensitive_model(cfg, 0)
+        with torch.no_grad():
+            getattr(changed.layers[0].relative_bias, table).add_(0.5)
+        assert not torch.allclose(serve(changed, None, histories, visits), reference, atol=1e-3), table
+
+
+def test_cached_keys_are_biased_by_the_times_the_cache_holds():
+    """The time bias of a cached key reads the time stored beside its K/V: of two caches holding the same
+    visits, the one whose stored times are moved a month back scores the next visits differently."""
+    cfg = tiny_config()
+    model = sensitive_model(cfg, 0)
+    histories, first = _histories_and_visits(cfg)
+    later = [Visit(v.user_id, v.end + 6, v.candidates) for v in first]
+    expected = serve(model, None, histories, later)
+    kept, moved = make_cache(cfg), make_cache(cfg)
+    for cache in (kept, moved):
+        serve(model, cache, histories, first)
+    moved.times_cache().sub_(30 * 24 * 3_600_000)
+    assert_logits_close(serve(model, kept, histories, later), expected)
+    assert not torch.allclose(serve(model, moved, histories, later), expected, atol=1e-3)
