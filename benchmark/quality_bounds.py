@@ -22,6 +22,12 @@ with what a model could at best know:
 The Bayes row bounds any model that learns videos from the training period's logs: a real one must
 also learn the users' tastes, which that row is given. It is broken down by how many training
 sightings the candidate's video has, with how often its most likely cluster is the true one.
+
+On `--signal sequential` data, where exposures and clicks depend on the order of each user's events,
+those rows' click and exposure models do not hold; the script scores instead with and without the
+order of the history (benchmark/sequence_bounds.py): the oracle, the history in order, the history as
+a bag of events, the affinity alone, and what the order is worth (in order less bag).
+
 Prints the table and writes JSON (--output). Meant for demo-sized data (tens of thousands of
 videos): the posterior holds a [videos, clusters, 29] array.
 """
@@ -38,12 +44,13 @@ import numpy as np
 from data import schema
 from data.dataset import InferenceDataset
 from data.jagged import sorted_lookup
-from data.synthetic import generate
+from data.synthetic import SyntheticSummary, generate
 from data.synthetic_world import SIGNALS, SyntheticConfig, World, intercept, sigmoid, signal_config
 from model.baselines import Interactions
 from model.metrics import auc
 from model.quality import QualitySplit, quality_split
 from model.train import DEFAULT_SPLIT_DATE
+from sequence_bounds import order_bounds
 
 QUALITY_GRID = np.linspace(-5.0, 5.0, 101)  # posterior support of a video's quality, affinity units
 SIGHTING_BUCKETS = ((0, 1), (1, 2), (2, 5), (5, 20), (20, None))  # [low, high) training sightings
@@ -159,6 +166,31 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
+def _report_sightings(summary: SyntheticSummary, config: SyntheticConfig, split: QualitySplit, header: str) -> dict:
+    aucs, by_sightings = bounds(summary.world, config, split)
+    print(header)
+    _print_aucs(aucs)
+    print("the Bayes row by the video's training sightings:")
+    for row in by_sightings:
+        recovered = "n/a" if row["cluster_recovered"] is None else f"{row['cluster_recovered']:.3f}"
+        print(f"  {row['sightings']:>5} sightings: {row['candidates']:>6} candidates, cluster recovered {recovered}, "
+              f"AUC {_fmt(row['auc_bayes'])} (taste with true clusters {_fmt(row['auc_taste_true_clusters'])})")
+    return {"auc": aucs, "bayes_by_sightings": by_sightings}
+
+
+def _report_order(summary: SyntheticSummary, dataset: InferenceDataset, split: QualitySplit, header: str) -> dict:
+    aucs, gain = order_bounds(summary.world, summary.sequence, dataset, split)
+    print(header)
+    _print_aucs(aucs)
+    print(f"order is worth {'n/a' if gain is None else f'{gain:+.4f}'} click AUC (history in order less history as a bag)")
+    return {"auc": aucs, "order_gain": gain}
+
+
+def _print_aucs(aucs: dict[str, float | None]) -> None:
+    for name, value in aucs.items():
+        print(f"  {name:<44} {_fmt(value)}")
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data_dir", required=True, help="preprocessor_inference.py output of the synthetic logs")
@@ -188,20 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.data_dir} was not made by data.synthetic --scale {args.scale} --seed {args.seed} "
               f"--signal {args.signal}: log rows {logged} vs {rows}", file=sys.stderr)
         return 2
-    aucs, by_sightings = bounds(summary.world, config, split)
-    print(f"\nclick AUC on {len(split.eval_requests)} visits from {args.split_date} on "
-          f"({len(split.eval_pairs.user_ids)} candidates), --signal {args.signal}")
-    for name, value in aucs.items():
-        print(f"  {name:<44} {'n/a' if value is None else f'{value:.4f}'}")
-    print("the Bayes row by the video's training sightings:")
-    for row in by_sightings:
-        recovered = "n/a" if row["cluster_recovered"] is None else f"{row['cluster_recovered']:.3f}"
-        print(f"  {row['sightings']:>5} sightings: {row['candidates']:>6} candidates, cluster recovered {recovered}, "
-              f"AUC {_fmt(row['auc_bayes'])} (taste with true clusters {_fmt(row['auc_taste_true_clusters'])})")
+    header = (f"\nclick AUC on {len(split.eval_requests)} visits from {args.split_date} on "
+              f"({len(split.eval_pairs.user_ids)} candidates), --signal {args.signal}")
+    if summary.sequence is not None:
+        report = _report_order(summary, dataset, split, header)
+    else:
+        report = _report_sightings(summary, config, split, header)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"auc": aucs, "candidates": len(split.eval_pairs.user_ids),
-                                           "bayes_by_sightings": by_sightings}, indent=2))
+        args.output.write_text(json.dumps({**report, "candidates": len(split.eval_pairs.user_ids)}, indent=2))
     return 0
 
 

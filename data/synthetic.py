@@ -12,6 +12,9 @@ belong to clusters, each user has a taste over clusters (a Dirichlet draw), expo
 towards the taste, and the action probabilities rise with the user's taste for the video's
 cluster, with the video's quality and with a per-user propensity; `--signal` picks which of
 the last two are present ("item": taste + quality, "user": taste + propensity, "mixed": all).
+`--signal sequential` makes the standard logs' exposures and clicks depend on the order and
+recency of each user's earlier events (data/synthetic_sequence.py); the random log's clicks
+follow the affinity alone there, as its events are outside the users' feeds.
 
 Scale rule: users = 1000 * sqrt(scale) and events per user = 11,713 * sqrt(scale), so
 the row count is 11.7M * scale while every user keeps many visits (scale 0.006 gives
@@ -32,6 +35,7 @@ from tqdm import tqdm
 
 from data import schema
 from data.synthetic_features import write_csv, write_user_features, write_video_features
+from data.synthetic_sequence import SequenceWorld, draw_sequential_events
 from data.synthetic_world import (
     DEFAULT_SIGNAL,
     LATE_DAY,
@@ -43,6 +47,7 @@ from data.synthetic_world import (
     SyntheticConfig,
     World,
     draw_actions,
+    draw_actions_given_clicks,
     signal_config,
 )
 
@@ -65,6 +70,7 @@ class SyntheticSummary:
     video_quality: np.ndarray = field(repr=False)  # [num_videos] quality offset (affinity units) by video_id
     user_propensity: np.ndarray = field(repr=False)  # [num_users] propensity offset (affinity units)
     world: World = field(repr=False)  # everything drawn, for oracle scores (World.affinity)
+    sequence: SequenceWorld | None = field(default=None, repr=False)  # the sequential rules' draw, if on
 
     def to_json(self) -> str:
         keys = ("scale", "seed", "rows", "num_users", "num_videos")
@@ -89,7 +95,7 @@ def generate(
     bar = tqdm(total=6, disable=not progress, file=sys.stderr, unit="step", desc="synthetic")
     world = World.draw(rng, scale, config)
     bar.update()
-    standard = _standard_events(rng, world, config)
+    standard, sequence = _standard_events(rng, world, config)
     bar.update()
     random_log = _random_events(rng, world, scale, config)
     bar.update()
@@ -107,12 +113,14 @@ def generate(
     bar.close()
     return SyntheticSummary(
         out, scale, seed, rows, world.num_users, world.num_videos, world.taste, world.video_cluster,
-        world.quality, world.propensity, world,
+        world.quality, world.propensity, world, sequence,
     )
 
 
 # ---------------------------------------------------------------- standard logs
-def _standard_events(rng: np.random.Generator, world: World, cfg: SyntheticConfig) -> dict[str, np.ndarray]:
+def _standard_events(
+    rng: np.random.Generator, world: World, cfg: SyntheticConfig
+) -> tuple[dict[str, np.ndarray], SequenceWorld | None]:
     # Sessions: starts on a random active day at a diurnal hour; sorted per user by start.
     per_user = np.maximum(2, np.round(world.events_per_user / cfg.session_mean_events)).astype(np.int64)
     s_user = np.repeat(np.arange(world.num_users), per_user)
@@ -149,11 +157,16 @@ def _standard_events(rng: np.random.Generator, world: World, cfg: SyntheticConfi
     time_ms = screen_time[screen_index]
     inside = time_ms < T_END
     user, time_ms, tab = user[inside], time_ms[inside], screen_tab[screen_index][inside]
-    video = world.sample_videos(rng, user, cfg.taste_exposure, cfg.popularity_exponent)
-    z = world.affinity(user, video)
-    actions = draw_actions(rng, z, cfg.rates, cfg)
+    sequence = None
+    if cfg.sequence.active:
+        drawn = draw_sequential_events(rng, world, cfg, user, time_ms)
+        video, sequence = drawn.video, drawn.world
+        actions = draw_actions_given_clicks(rng, drawn.z, drawn.click, cfg.rates, cfg)
+    else:
+        video = world.sample_videos(rng, user, cfg.taste_exposure, cfg.popularity_exponent)
+        actions = draw_actions(rng, world.affinity(user, video), cfg.rates, cfg)
     log = _assemble(rng, world, user, video, time_ms, actions, tab, is_rand=0, cfg=cfg)
-    return _disorder(rng, log, cfg)
+    return _disorder(rng, log, cfg), sequence
 
 
 def _random_events(
@@ -248,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--signal", choices=tuple(SIGNALS), default=DEFAULT_SIGNAL,
                         help="planted signal: item = cluster taste + video quality; user = taste + per-user "
-                             "propensity; mixed = all three (default)")
+                             "propensity; mixed = all three (default); sequential = a weaker taste + what each "
+                             "user clicked lately, so the order of events matters")
     parser.add_argument("--no_progress", action="store_true")
     args = parser.parse_args(argv)
     summary = generate(args.out, scale=args.scale, seed=args.seed, config=signal_config(args.signal),

@@ -6,11 +6,12 @@ The planted signal has up to three parts, all in logit ("affinity") units:
     propensity  a per-user offset: some users act on everything more than others
 `SIGNALS` names the mixes the generator offers: "item" (taste + quality: which videos a user
 likes, nothing a model can read off the user's own click rate), "user" (taste + propensity,
-dominated by the propensity) and "mixed" (all three, the default).
+dominated by the propensity), "mixed" (all three, the default) and "sequential" (a broad, half-weight
+taste, and what the user clicked lately: `SequentialRules`, which makes the order of events matter).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,6 +22,46 @@ T_LATE = schema.beijing_midnight_ms(schema.LATE_DATES[0])
 T_END = schema.beijing_midnight_ms(schema.LATE_DATES[1]) + schema.DAY_MS  # exclusive
 NUM_DAYS = (T_END - T0) // schema.DAY_MS  # 31
 LATE_DAY = (T_LATE - T0) // schema.DAY_MS  # 14
+
+
+@dataclass(frozen=True)
+class SequentialRules:
+    """How a user's recent events move what the user is shown and clicks next
+    (data/synthetic_sequence.py; docs/data.md says why these rules). Two traces per user over the
+    clusters, each halving every `*_half_life_events` events and every `*_half_life_hours` hours:
+        interest  clicks: one on cluster c counts 1 for c and `successor_share` for c's successor
+        fatigue   exposures: every video shown counts 1 for its cluster
+    A cluster's recent share is its interest over the total, smoothed by `interest_prior_clicks`
+    clicks spread evenly. The feed draws `feed_follows_interest` of the exposures from the recent
+    shares, and an event of cluster c gets, in affinity units,
+        interest_weight * log(K * recent share of c) - fatigue_weight * fatigue[c].
+    Zero weights (the default) leave the events independent of their order."""
+
+    interest_weight: float = 0.0
+    interest_half_life_events: float = 24.0
+    interest_half_life_hours: float = 48.0
+    interest_prior_clicks: float = 2.0
+    successor_share: float = 1.0
+    feed_follows_interest: float = 0.0
+    fatigue_weight: float = 0.0
+    fatigue_half_life_events: float = 3.0
+    fatigue_half_life_hours: float = 0.25
+    calibration_events: int = 512  # per user: the prefix the click intercept is calibrated on
+
+    def __post_init__(self):
+        for name in ("interest_weight", "successor_share", "fatigue_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"SequentialRules.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.feed_follows_interest <= 1:
+            raise ValueError(f"SequentialRules.feed_follows_interest must be in [0, 1], got {self.feed_follows_interest}")
+        for name in ("interest_half_life_events", "interest_half_life_hours", "interest_prior_clicks",
+                     "fatigue_half_life_events", "fatigue_half_life_hours", "calibration_events"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SequentialRules.{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def active(self) -> bool:
+        return self.interest_weight > 0 or self.fatigue_weight > 0 or self.feed_follows_interest > 0
 
 
 @dataclass(frozen=True)
@@ -48,6 +89,7 @@ class SyntheticConfig:
     taste_exposure: float = 0.7  # share of exposures drawn from the user's taste
     popularity_exponent: float = 2.0  # within-cluster rank = size * u**exponent (heavy head)
     signal_strength: float = 0.8  # logit slope in log(num_clusters * taste)
+    taste_weight: float = 1.0  # scales the cluster-taste part of the affinity
     # per-user action logit offset (some users click far more than others): a user-level signal
     user_propensity_std: float = 1.0
     item_quality_std: float = 0.8  # per-video action logit offset: an item-level signal
@@ -58,14 +100,20 @@ class SyntheticConfig:
     random_long_view_rate: float = 0.084
     tab_shares: tuple[tuple[int, float], ...] = ((1, .659), (0, .206), (4, .076), (2, .034), (6, .016))
     # the remaining share of tabs is spread evenly over the other tab values 0..14
-
+    sequence: SequentialRules = field(default_factory=SequentialRules)  # off unless its weights are set
 
 
 # The signal mixes: SyntheticConfig fields each one sets.
-SIGNALS: dict[str, dict[str, float]] = {
+SIGNALS: dict[str, dict[str, object]] = {
     "item": {"user_propensity_std": 0.0, "item_quality_std": 0.8},
     "user": {"user_propensity_std": 1.0, "item_quality_std": 0.0},
     "mixed": {"user_propensity_std": 1.0, "item_quality_std": 0.8},
+    # Broad long-term tastes (a uniform Dirichlet) at half weight; what a user is into right now comes
+    # from recent clicks (docs/data.md, "Sequential signal").
+    "sequential": {
+        "user_propensity_std": 0.0, "item_quality_std": 0.0, "taste_concentration": 1.0, "taste_weight": 0.5,
+        "sequence": SequentialRules(interest_weight=1.0, feed_follows_interest=0.5, fatigue_weight=0.3),
+    },
 }
 DEFAULT_SIGNAL = "mixed"
 
@@ -91,6 +139,7 @@ class World:
     video_duration_ms: np.ndarray  # [V] intrinsic duration by video_id
     propensity: np.ndarray  # [U] user's action offset, in affinity units (0 without a user-level signal)
     quality: np.ndarray  # [V] video's action offset by video_id, in affinity units (0 without one)
+    taste_weight: float = 1.0  # SyntheticConfig.taste_weight
 
     @classmethod
     def draw(cls, rng: np.random.Generator, scale: float, cfg: SyntheticConfig) -> World:
@@ -113,7 +162,7 @@ class World:
         quality = rng.normal(0.0, cfg.item_quality_std / cfg.signal_strength, num_videos)
         return cls(
             num_users, num_videos, events, np.where(late, LATE_DAY, 0), taste, cluster_share, offset,
-            video_of_index, video_cluster, duration, propensity, quality,
+            video_of_index, video_cluster, duration, propensity, quality, cfg.taste_weight,
         )
 
     def affinity(self, user: np.ndarray, video: np.ndarray) -> np.ndarray:
@@ -123,11 +172,11 @@ class World:
 
     def taste_affinity(self, user: np.ndarray, video: np.ndarray) -> np.ndarray:
         """[N] the cluster-taste part of `affinity` alone."""
-        return _taste_logit(self.taste[user, self.video_cluster[video]], self.taste.shape[1])
+        return self.taste_weight * _taste_logit(self.taste[user, self.video_cluster[video]], self.taste.shape[1])
 
     def cluster_taste_affinity(self) -> np.ndarray:
         """[U, K] `taste_affinity` of every user for a video of every cluster."""
-        return _taste_logit(self.taste, self.taste.shape[1])
+        return self.taste_weight * _taste_logit(self.taste, self.taste.shape[1])
 
     def cluster_exposure_probability(self, taste_exposure: float) -> np.ndarray:
         """[U, K] the chance that `sample_videos` draws a user's next video from each cluster."""
@@ -149,8 +198,13 @@ class World:
         global_cdf = np.cumsum(self.cluster_share)
         global_pick = np.searchsorted(global_cdf / global_cdf[-1], rng.random(n) * (1 - 1e-12), side="right")
         cluster = np.where(from_taste, np.minimum(cluster, k - 1), global_pick)
+        return self.video_in_cluster(cluster, rng.random(n), exponent)
+
+    def video_in_cluster(self, cluster: np.ndarray, uniform: np.ndarray, exponent: float) -> np.ndarray:
+        """[N] clusters, [N] uniforms in [0, 1) -> [N] video ids: rank size * uniform**exponent inside
+        the cluster, so its first-ranked videos are shown most (a heavy head)."""
         size = np.diff(self.cluster_offset)[cluster]
-        rank = np.minimum((size * rng.random(n) ** exponent).astype(np.int64), size - 1)
+        rank = np.minimum((size * uniform**exponent).astype(np.int64), size - 1)
         return self.video_of_index[self.cluster_offset[cluster] + rank]
 
 
@@ -166,9 +220,18 @@ def draw_actions(
     """[N] affinities -> the 8 action flags. Click, and given a click long_view, like, follow,
     comment, forward and profile_enter, rise with affinity; hate falls with it. Intercepts
     are calibrated so each overall rate matches `rates`."""
+    slope = cfg.signal_strength
+    click_rate = dict(zip(schema.TASKS, rates))["click"]
+    click = rng.random(len(z)) < sigmoid(intercept(z, slope, click_rate) + slope * z)
+    return draw_actions_given_clicks(rng, z, click, rates, cfg)
+
+
+def draw_actions_given_clicks(
+    rng: np.random.Generator, z: np.ndarray, click: np.ndarray, rates: tuple[float, ...], cfg: SyntheticConfig
+) -> dict[str, np.ndarray]:
+    """`draw_actions` once the clicks are drawn: the other 7 flags, from the same affinities."""
     rate = dict(zip(schema.TASKS, rates))
     slope = cfg.signal_strength
-    click = rng.random(len(z)) < sigmoid(intercept(z, slope, rate["click"]) + slope * z)
     clicked = z[click]
     out = {"click": click}
     lv_click = rate["long_view"] * cfg.long_view_click_share / rate["click"]

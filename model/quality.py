@@ -62,12 +62,17 @@ def events_before(dataset: InferenceDataset, time_ms: int) -> Interactions:
 
 def candidate_pairs(dataset: InferenceDataset, indices: np.ndarray) -> Interactions:
     """The candidates of requests `indices` in request order (the order the model's logits come in)."""
-    events = dataset.event_arrays()
-    req = dataset.requests
-    rows = np.searchsorted(events.user_ids, req.user_id[indices])
-    flat = jagged.range_indices(events.offsets[rows] + req.end[indices], req.num_candidates[indices])
+    events, req = dataset.event_arrays(), dataset.requests
+    flat = candidate_events(dataset, indices)
     users = np.repeat(req.user_id[indices], req.num_candidates[indices])
     return Interactions(users, events.video_ids[flat], action_labels(events.action_weights[flat]))
+
+
+def candidate_events(dataset: InferenceDataset, indices: np.ndarray) -> np.ndarray:
+    """[M] where the candidates of requests `indices` are in `dataset.event_arrays()`, in request order."""
+    events, req = dataset.event_arrays(), dataset.requests
+    rows = np.searchsorted(events.user_ids, req.user_id[indices])
+    return jagged.range_indices(events.offsets[rows] + req.end[indices], req.num_candidates[indices])
 
 
 @dataclass(frozen=True)

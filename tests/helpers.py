@@ -21,6 +21,7 @@ from data.batch import VisitBatch
 from data.manifest import PreprocessParams
 from data.preprocess import preprocess
 from data.synthetic import generate
+from data.synthetic_world import DEFAULT_SIGNAL, signal_config
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
 
@@ -91,9 +92,11 @@ def snapshot(root: Path) -> dict[str, bytes | None]:
 
 
 # ---- generated, preprocessed data -----------------------------------------------------
-def build_processed(root: Path, scale: float = 0.002, seed: int = 3, num_candidates: int = 16) -> Path:
-    """Generate raw files into root/raw and preprocess them into root/processed."""
-    generate(root / "raw", scale=scale, seed=seed, progress=False)
+def build_processed(root: Path, scale: float = 0.002, seed: int = 3, num_candidates: int = 16,
+                    signal: str = DEFAULT_SIGNAL) -> Path:
+    """Generate raw files (`data.synthetic --signal signal`) into root/raw and preprocess them into
+    root/processed."""
+    generate(root / "raw", scale=scale, seed=seed, config=signal_config(signal), progress=False)
     preprocess(root / "raw", root / "processed", PreprocessParams(num_candidates=num_candidates), progress=False)
     return root / "processed"
 
