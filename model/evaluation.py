@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,12 +57,17 @@ class ScoredCandidates:
 def score_requests(
     model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray, batch_size: int,
     desc: str = "score", progress: bool = True, kv_cache: bool = False,
+    max_history_events: int | None = None, edit_batch: Callable[[VisitBatch], VisitBatch] | None = None,
 ) -> ScoredCandidates:
     """The model's logits for every candidate of `indices` (inference mode).
 
     Full recompute of each visit's window by default; with `kv_cache`, through an
     `InferenceSession` over a KV cache (the same logits to fp32 round-off, by the parity
-    contract, and much faster for many visits per user in time order)."""
+    contract, and much faster for many visits per user in time order). A full recompute may
+    crop each window to its last `max_history_events` events, and `edit_batch` may rewrite each
+    batch before it is scored (model/order_ablation.py's variants)."""
+    if kv_cache and (max_history_events is not None or edit_batch is not None):
+        raise ValueError("max_history_events and edit_batch apply to full recompute only, not kv_cache")
     logits, labels = [], []
     was_training = model.training
     model.eval()
@@ -74,7 +80,9 @@ def score_requests(
                 logits.append(result.logits.float().cpu().numpy())
                 labels.append(result.labels.cpu().numpy())
                 continue
-            batch = window_batch(model, dataset, idx)
+            batch = window_batch(model, dataset, idx, max_history_events)
+            if edit_batch is not None:
+                batch = edit_batch(batch)
             logits.append(model(batch).float().cpu().numpy())
             labels.append(batch.labels)
     model.train(was_training)

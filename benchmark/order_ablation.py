@@ -1,0 +1,62 @@
+"""Does a checkpoint read the history it is served? The order ablation (model/order_ablation.py).
+
+    python benchmark/order_ablation.py --data_dir artifacts/synthetic/processed \\
+        --checkpoint artifacts/synthetic/checkpoint --output artifacts/synthetic/order_ablation.json
+
+Scores the visits from --split_date on (quality_benchmark.py's evaluated visits, video counters
+frozen at the split as there) with each visit's history as logged, shuffled within its window,
+cut to its last K events (--last_k) and removed, and prints per variant the click and long_view
+AUC and the mean |Δ click logit| against the logged history, also in units of the logged logits'
+spread. Exit 0; the JSON has every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from data.dataset import InferenceDataset
+from model.checkpoint import load_checkpoint
+from model.order_ablation import format_ablation, order_ablation
+from model.train import DEFAULT_SPLIT_DATE, date_to_ms
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data_dir", required=True, help="preprocessor_inference.py output directory")
+    p.add_argument("--checkpoint", required=True, help="model.train output directory")
+    p.add_argument("--split_date", type=int, default=DEFAULT_SPLIT_DATE, help="YYYYMMDD: score the visits from it on")
+    p.add_argument("--last_k", type=int, nargs="+", default=[0, 1, 16], help="window cuts to score (0: no event)")
+    p.add_argument("--max_requests", type=int, default=None, help="score only the first N visits")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="of the shuffles")
+    p.add_argument("--output", type=Path, help="JSON results")
+    args = p.parse_args(argv)
+    if any(k < 0 for k in args.last_k):
+        p.error(f"--last_k must be >= 0, got {args.last_k}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    try:
+        dataset = InferenceDataset(args.data_dir, video_counters_until_ms=date_to_ms(args.split_date))
+        model = load_checkpoint(args.checkpoint).model.eval()
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    indices = dataset.request_indices(from_time_ms=date_to_ms(args.split_date), max_requests=args.max_requests)
+    if len(indices) == 0:
+        print(f"error: no visits on or after {args.split_date} in {args.data_dir}", file=sys.stderr)
+        return 2
+    result = order_ablation(model, dataset, indices, args.batch_size, tuple(args.last_k), args.seed)
+    print(format_ablation(result))
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(result.to_json(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
