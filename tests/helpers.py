@@ -21,6 +21,7 @@ from data.batch import VisitBatch
 from data.manifest import PreprocessParams
 from data.preprocess import preprocess
 from data.synthetic import generate
+from model.baselines import Interactions
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
 
@@ -304,6 +305,14 @@ def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:
             for weight in model.counter_features.parameters():
                 weight.normal_(std=0.3)
     return model
+
+
+# ---- baseline inputs ------------------------------------------------------------------
+def click_interactions(users, videos, clicks) -> Interactions:
+    """Events with only the click task set (the other 7 labels 0)."""
+    labels = np.zeros((len(users), NUM_TASKS), dtype=np.float32)
+    labels[:, 0] = clicks
+    return Interactions(np.asarray(users, np.int64), np.asarray(videos, np.int64), labels)
 
 
 # ---- cache geometry shared by a test and the subprocesses it starts ----------------------

@@ -1,4 +1,4 @@
-"""Baselines (model/baselines.py), the quality comparison (model/quality.py) and its script."""
+"""Baselines (model/baselines/), the quality comparison (model/quality.py) and its script."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data.dataset import InferenceDataset
-from helpers import REPO_ROOT, build_processed, subprocess_env
+from helpers import REPO_ROOT, build_processed, click_interactions, subprocess_env
 from model.baselines import Interactions, ItemPopularity, MatrixFactorization, UserKNN
 from model.checkpoint import load_checkpoint
 from model.metrics import auc
@@ -17,14 +17,8 @@ from model.quality import compare, quality_split
 from model.train import date_to_ms
 
 
-def _interactions(users, videos, clicks) -> Interactions:
-    labels = np.zeros((len(users), 8), dtype=np.float32)
-    labels[:, 0] = clicks
-    return Interactions(np.asarray(users, np.int64), np.asarray(videos, np.int64), labels)
-
-
 def test_popularity_counts_the_tasks_positives():
-    train = _interactions([0, 1, 2, 0, 1], [10, 10, 11, 12, 12], [1, 1, 1, 0, 1])
+    train = click_interactions([0, 1, 2, 0, 1], [10, 10, 11, 12, 12], [1, 1, 1, 0, 1])
     scores = ItemPopularity().fit(train).score(np.zeros(4, np.int64), np.array([10, 11, 12, 99]))
     assert scores[:, 0].tolist() == [2, 1, 1, 0]  # an unseen video scores 0
     with pytest.raises(ValueError, match="one row per event"):
@@ -33,7 +27,7 @@ def test_popularity_counts_the_tasks_positives():
 
 def test_user_knn_scores_what_similar_users_clicked():
     # Users 0 and 1 click the same videos; user 2 clicks others. User 0 has not seen video 5.
-    train = _interactions([0, 0, 1, 1, 1, 2, 2, 2], [1, 2, 1, 2, 5, 3, 4, 6], [1, 1, 1, 1, 1, 1, 1, 1])
+    train = click_interactions([0, 0, 1, 1, 1, 2, 2, 2], [1, 2, 1, 2, 5, 3, 4, 6], [1, 1, 1, 1, 1, 1, 1, 1])
     knn = UserKNN(neighbours=1).fit(train)
     scores = knn.score(np.array([0, 0, 0]), np.array([5, 6, 7]))[:, 0]
     assert scores[0] > 0 and scores[1] == 0 and scores[2] == 0  # 5: its neighbour's click; 6: not a neighbour's
@@ -47,8 +41,8 @@ def test_matrix_factorization_learns_a_planted_preference():
     n, users, videos = 6000, 40, 60
     u, v = rng.integers(0, users, n), rng.integers(0, videos, n)
     clicks = rng.random(n) < np.where((u % 2) == (v % 2), 0.8, 0.2)
-    train, held = _interactions(u[:5000], v[:5000], clicks[:5000]), _interactions(u[5000:], v[5000:], clicks[5000:])
-    mf = MatrixFactorization(dim=4, seed=0).fit(train, holdout=held)
+    train, held = click_interactions(u[:5000], v[:5000], clicks[:5000]), click_interactions(u[5000:], v[5000:], clicks[5000:])
+    mf = MatrixFactorization(dim=16, seed=0).fit(train, holdout=held)
     assert auc(mf.score(held.user_ids, held.video_ids)[:, 0], held.labels[:, 0]) > 0.75
     scores = mf.score(np.array([0, 0]), np.array([999, 999]))  # an unseen video: finite, defined
     assert np.isfinite(scores).all()
@@ -61,7 +55,7 @@ def test_matrix_factorization_keeps_its_best_holdout_check(select_on):
     n, users, videos = 3000, 30, 400  # many videos seen a few times: the factors overfit as steps go on
     u, v = rng.integers(0, users, n), rng.integers(0, videos, n)
     clicks = rng.random(n) < np.where((u % 2) == (v % 2), 0.7, 0.3)
-    train, held = _interactions(u[:2500], v[:2500], clicks[:2500]), _interactions(u[2500:], v[2500:], clicks[2500:])
+    train, held = click_interactions(u[:2500], v[:2500], clicks[:2500]), click_interactions(u[2500:], v[2500:], clicks[2500:])
     mf = MatrixFactorization(dim=8, steps=120, eval_every=5, patience=100, seed=0, select_on=select_on).fit(train, held)
     assert len(mf.holdout_scores) == 24
     best_step, best_score = min(mf.holdout_scores, key=lambda check: check[1])
@@ -69,9 +63,33 @@ def test_matrix_factorization_keeps_its_best_holdout_check(select_on):
     assert mf._holdout_score(held) == pytest.approx(best_score, abs=1e-12)
     with pytest.raises(ValueError, match="select_on must be loss or click_auc"):
         MatrixFactorization(select_on="auc")
-    all_clicked = _interactions(u[:10], v[:10], np.ones(10))
+    all_clicked = click_interactions(u[:10], v[:10], np.ones(10))
     with pytest.raises(ValueError, match="click AUC is undefined"):
         MatrixFactorization(steps=10, eval_every=5).fit(train, all_clicked)
+
+
+def _audience_events(rng: np.random.Generator, n: int) -> Interactions:
+    """Item-taste data in small: two user groups; 70% of a user's exposures are its own group's videos
+    (the logged policy knows the tastes), which it clicks 70% of the time, the others 30%; 1,500 videos."""
+    u = rng.integers(0, 60, n)
+    v = np.where(rng.random(n) < 0.7, 2 * rng.integers(0, 750, n) + u % 2, rng.integers(0, 1500, n))
+    return click_interactions(u, v, rng.random(n) < np.where(u % 2 == v % 2, 0.7, 0.3))
+
+
+def test_matrix_factorization_places_rarely_seen_videos_by_their_audience():
+    """A video is seen ~3 times in training: its labels alone barely place it, who was shown it does."""
+    rng = np.random.default_rng(0)
+    train, held, fresh = _audience_events(rng, 4000), _audience_events(rng, 1000), _audience_events(rng, 3000)
+
+    def fresh_click_auc(exposure_weight: float) -> float:
+        mf = MatrixFactorization(dim=8, steps=300, patience=10, exposure_weight=exposure_weight, seed=0)
+        mf.fit(train, held)
+        return auc(mf.score(fresh.user_ids, fresh.video_ids)[:, 0], fresh.labels[:, 0])
+
+    labels_only, with_exposures = fresh_click_auc(0.0), fresh_click_auc(3.0)
+    assert labels_only < 0.53 and with_exposures > labels_only + 0.03, (labels_only, with_exposures)
+    with pytest.raises(ValueError, match="exposure_weight must be >= 0, got -1"):
+        MatrixFactorization(exposure_weight=-1)
 
 
 @pytest.fixture(scope="module")
