@@ -315,6 +315,12 @@ def click_interactions(users, videos, clicks) -> Interactions:
     return Interactions(np.asarray(users, np.int64), np.asarray(videos, np.int64), labels)
 
 
+def block_taste_events(rng: np.random.Generator, n: int, users: int = 40, videos: int = 60) -> Interactions:
+    """Random exposures; a user clicks a video of its own parity 80% of the time, another 20%."""
+    u, v = rng.integers(0, users, n), rng.integers(0, videos, n)
+    return click_interactions(u, v, rng.random(n) < np.where(u % 2 == v % 2, 0.8, 0.2))
+
+
 # ---- cache geometry shared by a test and the subprocesses it starts ----------------------
 # The tier tests' layout: 2 layers, 1 head, head_dim 2, 4 tokens a page, fp32 -> 128-byte pages.
 TINY_LAYOUT_ARGS = dict(num_layers=2, num_heads=1, head_dim=2, page_size=4, dtype=torch.float32)
