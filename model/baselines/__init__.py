@@ -4,13 +4,20 @@
     counts.py             item popularity, user-kNN
     factorization.py      logistic matrix factorisation (+ an exposure objective)
     implicit_feedback.py  ALS, BPR and item-kNN from the `implicit` library
+    markov.py             last-items Markov transitions (sequential)
+    sasrec.py             a SASRec-style self-attentive model (sequential)
+
+Sequential scorers read each user's events before the visit they score, as the HSTU does when
+serving, never the scored visit's candidates or anything after it.
 """
 from model.baselines.base import Interactions, PairScorer, Visits, VisitScorer
 from model.baselines.counts import ItemPopularity, UserKNN
 from model.baselines.factorization import MatrixFactorization
 from model.baselines.implicit_feedback import ImplicitALS, ImplicitBPR, ItemKNN
+from model.baselines.markov import LastItemsMarkov
+from model.baselines.sasrec import SASRec
 
 __all__ = [
-    "ImplicitALS", "ImplicitBPR", "Interactions", "ItemKNN", "ItemPopularity", "MatrixFactorization", "PairScorer",
-    "UserKNN", "VisitScorer", "Visits",
+    "ImplicitALS", "ImplicitBPR", "Interactions", "ItemKNN", "ItemPopularity", "LastItemsMarkov",
+    "MatrixFactorization", "PairScorer", "SASRec", "UserKNN", "VisitScorer", "Visits",
 ]
