@@ -1,19 +1,31 @@
-"""Baselines (model/baselines/), the quality comparison (model/quality.py) and its script."""
+"""Pair-scoring baselines (model/baselines/), the quality comparison (model/quality.py) and its script.
+The sequential baselines and the tuning have their own modules."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from data.dataset import InferenceDataset
 from helpers import REPO_ROOT, block_taste_events, build_processed, click_interactions, subprocess_env
-from model.baselines import ImplicitALS, ImplicitBPR, Interactions, ItemKNN, ItemPopularity, MatrixFactorization, UserKNN
+from model.baselines import (
+    Baseline,
+    ImplicitALS,
+    ImplicitBPR,
+    Interactions,
+    ItemKNN,
+    ItemPopularity,
+    MatrixFactorization,
+    UserKNN,
+)
+from model.baselines.registry import BASELINES
 from model.checkpoint import load_checkpoint
 from model.metrics import auc
-from model.quality import compare, quality_split
+from model.quality import compare, fit_baselines, quality_split
 from model.train import date_to_ms
 
 
@@ -149,8 +161,27 @@ def test_quality_split_keeps_the_evaluation_period_unseen(processed):
     expected = int(dataset.requests.num_candidates[split.eval_requests].sum())
     assert len(split.eval_pairs.user_ids) == expected
     assert len(split.fit_events.user_ids) < len(split.training_period_events.user_ids)
+    # The sequential baselines' visits: the evaluated ones unlabelled, the others the same candidates.
+    assert split.eval_visits.labels is None
+    np.testing.assert_array_equal(split.eval_visits.candidate_videos, split.eval_pairs.video_ids)
+    np.testing.assert_array_equal(split.holdout_visits.labels, split.holdout_pairs.labels)
+    assert len(split.training_period_visits) == len(split.train_visits) + len(split.holdout_visits)
     with pytest.raises(ValueError, match=r"scores of shape \(3, 8\)"):
         compare(split, {"model": np.zeros((3, 8))})
+
+
+def test_baselines_read_no_evaluation_label(processed):
+    """Scrambling every evaluated candidate's labels in the split leaves every baseline's scores as they were."""
+    split = quality_split(InferenceDataset(processed), 20220422)
+    pairs = split.eval_pairs
+    scrambled = replace(split, eval_pairs=Interactions(pairs.user_ids, pairs.video_ids, 1.0 - pairs.labels))
+    first_points = tuple(Baseline(b.scorer, b.grid[:1], b.seeded) for b in BASELINES)  # every kind, fast
+    before = fit_baselines(split, baselines=first_points, progress=False)
+    after = fit_baselines(scrambled, baselines=first_points, progress=False)
+    assert set(before) == {b.name for b in BASELINES}
+    for name, run in before.items():
+        np.testing.assert_array_equal(run.scores, after[name].scores, err_msg=name)
+        assert run.tuned.params == after[name].tuned.params
 
 
 def test_quality_benchmark_script(processed, tmp_path):
@@ -167,7 +198,8 @@ def test_quality_benchmark_script(processed, tmp_path):
     report = json.loads(out.read_text())
     assert [run["seed"] for run in report["seeds"]] == [0, 3]
     for run in report["seeds"]:
-        assert set(run["auc"]) == {"HSTU", "item popularity", "user-kNN collaborative filter", "matrix factorisation"}
+        assert set(run["auc"]) == {"HSTU"} | {b.name for b in BASELINES} == {"HSTU"} | set(run["baselines"])
+        assert all(pick["grid_points"] >= 1 and 0.0 < pick["holdout_click_auc"] < 1.0 for pick in run["baselines"].values())
         assert all(0.0 < a["click"] < 1.0 for a in run["auc"].values())
         assert run["training"]["candidates_per_second"] > 0
         assert run["click_best_baseline"]["name"] != "HSTU"
@@ -188,3 +220,13 @@ def test_quality_benchmark_refuses_a_repeated_seed(processed, tmp_path):
     )
     assert result.returncode == 2 and "--seeds repeats a seed: [1, 1]" in result.stderr
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "q.json").exists()
+
+
+def test_quality_benchmark_refuses_an_unknown_baseline(processed, tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmark" / "quality_benchmark.py"), "--data_dir", str(processed),
+         "--baselines", "item popularity", "random forest", "--output", str(tmp_path / "q.json")],
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )
+    assert result.returncode == 2 and "--baselines: unknown baseline 'random forest'" in result.stderr
+    assert not (tmp_path / "q.json").exists()
