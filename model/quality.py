@@ -7,10 +7,11 @@ The split is the trainer's (model/train.py): visits before the split date train,
 `holdout_fraction` of them (in time) are the holdout, and every visit from the split date on
 is evaluated. Every baseline (model/baselines/registry.py) is tuned the way the HSTU's epochs
 are picked: each grid point is fitted on what precedes the holdout's first visit and ranked on
-the holdout visits' click AUC; the best one is refitted on the whole training period and scores
-the evaluated candidates once. Nothing from the evaluation period is learnt from; the sequential
-scorers (the HSTU, SASRec, the Markov model) read each user's events before the visit they score,
-as they do when serving, never the scored candidates' labels.
+the holdout visits' click AUC; the best one is refitted on the whole training period (MF and
+SASRec, whose fits stop on the holdout, keep that fit) and scores the evaluated candidates once.
+Nothing from the evaluation period is learnt from; the sequential scorers (the HSTU, SASRec, the
+Markov model) read each user's events before the visit they score, as they do when serving,
+never the scored candidates' labels.
 """
 from __future__ import annotations
 
@@ -21,9 +22,8 @@ import numpy as np
 from data import jagged
 from data.dataset import InferenceDataset
 from data.schema import TASKS, action_labels
-from model.baselines import Interactions, Tuned, TuningData, Visits, tune
+from model.baselines import Baseline, Interactions, Tuned, TuningData, Visits, tune
 from model.baselines.registry import BASELINES, HISTORY_EVENTS
-from model.baselines.tuning import Baseline
 from model.metrics import per_task_auc
 from model.train import TrainParams, date_to_ms, split_requests
 
