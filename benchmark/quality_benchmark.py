@@ -4,12 +4,15 @@
         --checkpoint artifacts/synthetic/checkpoint --output artifacts/synthetic/quality.json
 
 Scores every visit from --split_date on with the HSTU model (a --checkpoint, or one trained
-here when the checkpoint directory has none, or with --retrain) and with item popularity, a
-user-kNN collaborative filter and matrix factorisation fitted on the events before the split
-date (model/quality.py). Prints the per-task AUC table, the training throughput when it
-trained, and whether the model beats the best baseline's click AUC; writes the same to JSON.
+here when the checkpoint directory has none, or with --retrain) and with every baseline of
+model/baselines/registry.py: item popularity, user-kNN, matrix factorisation, ALS, BPR, item-kNN,
+a last-items Markov model and SASRec, each tuned on the holdout's click AUC and fitted on the
+training period (model/quality.py). Prints the per-task AUC table, what each baseline's tuning
+picked, the training throughput when it trained, and whether the model beats the best baseline's
+click AUC; writes the same to JSON. `--baselines` limits the set (by name); `--baselines_only`
+fits and scores the baselines alone (no model, no checkpoint).
 
-With `--seeds 0 1 2` it does all of that once per seed (the trainer and matrix factorisation
+With `--seeds 0 1 2` it does all of that once per seed (the trainer and the seeded baselines
 reseeded alike) and reports the smallest margin: the target holds only if it holds for every seed.
 """
 from __future__ import annotations
@@ -23,6 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from data.dataset import InferenceDataset
+from model.baselines import ItemPopularity
+from model.baselines.registry import BASELINES
+from model.baselines.tuning import Baseline
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import PRESET_NAMES
 from model.evaluation import score_requests
@@ -35,20 +41,28 @@ CLICK_MARGIN_TARGET = 0.02  # the model's click AUC must exceed the best baselin
 
 @dataclass(frozen=True)
 class SeedRun:
-    """One seed's model (trained with it, or the checkpoint's) and baselines (fitted with it), scored."""
+    """One seed's model (trained with it, or the checkpoint's; none with --baselines_only) and baselines
+    (fitted with it), scored. The margins are None without a model."""
 
     seed: int
     table: QualityTable
     training: TrainReport | None
-    scoring_seconds: float
+    scoring_seconds: float | None
 
     @property
-    def click_margin(self) -> float:
-        return self.table.margin(MODEL, "click")
+    def has_model(self) -> bool:
+        return MODEL in self.table.auc
 
     @property
-    def click_margin_vs_popularity(self) -> float:
-        return self.table.auc[MODEL]["click"] - self.table.auc["item popularity"]["click"]
+    def click_margin(self) -> float | None:
+        return self.table.margin(MODEL, "click") if self.has_model else None
+
+    @property
+    def click_margin_vs_popularity(self) -> float | None:
+        """None also when item popularity was left out (--baselines)."""
+        if not self.has_model or ItemPopularity.name not in self.table.auc:
+            return None
+        return self.table.auc[MODEL]["click"] - self.table.auc[ItemPopularity.name]["click"]
 
     def to_json(self) -> dict:
         best_name, best_auc = self.table.best_baseline("click")
@@ -59,6 +73,7 @@ class SeedRun:
             "click_margin_vs_popularity": self.click_margin_vs_popularity,
             "scoring_seconds": self.scoring_seconds,
             "training": asdict(self.training) if self.training is not None else None,
+            "baselines": self.table.baselines,
         }
 
 
@@ -77,17 +92,31 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--full_recompute", action="store_true",
                    help="score by full recompute of every window instead of through the KV cache (same logits)")
     p.add_argument("--seeds", "--seed", type=int, nargs="+", default=[d.seed],
-                   help="one run per seed (the trainer and matrix factorisation reseeded alike); several seeds "
+                   help="one run per seed (the trainer and the seeded baselines reseeded alike); several seeds "
                         "train one model each (saved under CHECKPOINT/seed_N) and the target must hold for all")
+    names = [b.name for b in BASELINES]
+    p.add_argument("--baselines", nargs="+", default=names, metavar="NAME",
+                   help=f"the baselines to fit (default: all): {', '.join(repr(n) for n in names)}")
+    p.add_argument("--baselines_only", action="store_true", help="fit and score the baselines alone (no model)")
     p.add_argument("--output", type=Path, help="JSON results")
     args = p.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds repeats a seed: {args.seeds}")
+    unknown = [name for name in args.baselines if name not in names]
+    if unknown:
+        p.error(f"--baselines: unknown baseline {unknown[0]!r}; choose from {', '.join(repr(n) for n in names)}")
     return args
+
+
+def chosen_baselines(names: list[str]) -> tuple[Baseline, ...]:
+    return tuple(b for b in BASELINES if b.name in names)
 
 
 def run_seed(args: argparse.Namespace, dataset: InferenceDataset, split: QualitySplit, seed: int) -> SeedRun:
     """Train (or load) the model, score the evaluation visits, fit and score the baselines, all with `seed`."""
+    baselines = chosen_baselines(args.baselines)
+    if args.baselines_only:
+        return SeedRun(seed, compare(split, {}, seed=seed, baselines=baselines), None, None)
     checkpoint = args.checkpoint
     if checkpoint is not None and len(args.seeds) > 1:
         checkpoint = str(Path(checkpoint) / f"seed_{seed}")
@@ -104,7 +133,8 @@ def run_seed(args: argparse.Namespace, dataset: InferenceDataset, split: Quality
     scored = score_requests(model, dataset, split.eval_requests, args.batch_size, desc=f"score (HSTU, seed {seed})",
                             kv_cache=not args.full_recompute)
     scoring_seconds = time.perf_counter() - started
-    return SeedRun(seed, compare(split, {MODEL: scored.logits}, seed=seed), training, scoring_seconds)
+    table = compare(split, {MODEL: scored.logits}, seed=seed, baselines=baselines)
+    return SeedRun(seed, table, training, scoring_seconds)
 
 
 def _verdict(margin: float) -> str:
@@ -117,10 +147,17 @@ def _print_run(run: SeedRun, split_date: int) -> None:
     print(f"\nseed {run.seed}: per-task AUC on {table.num_requests} visits from {split_date} on "
           f"({table.num_candidates} candidates)")
     print(table.format())
+    for name, pick in table.baselines.items():
+        print(f"  {name}: holdout click AUC {pick['holdout_click_auc']:.4f} of {pick['grid_points']} grid points with "
+              f"{pick['params'] or 'no parameters'}")
+    if not run.has_model:
+        print(f"click: best baseline ({best_name}) {best_auc:.4f}")
+        return
     print(f"click: {MODEL} {table.auc[MODEL]['click']:.4f} vs best baseline ({best_name}) {best_auc:.4f}: "
           f"margin {run.click_margin:+.4f} (target >= +{CLICK_MARGIN_TARGET}) -> {_verdict(run.click_margin)}")
     margin = run.click_margin_vs_popularity
-    print(f"click: {MODEL} vs item popularity: {margin:+.4f} -> {'beats' if margin > 0 else 'LOSES TO'} it")
+    if margin is not None:
+        print(f"click: {MODEL} vs item popularity: {margin:+.4f} -> {'beats' if margin > 0 else 'LOSES TO'} it")
     if run.training is not None:
         t = run.training
         print(f"training: {t.steps} steps, best epoch {t.best_epoch} of {len(t.epochs)}, "
@@ -142,19 +179,26 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         runs.append(run_seed(args, dataset, split, seed))
         _print_run(runs[-1], args.split_date)
-    margins = [run.click_margin for run in runs]
-    if len(runs) > 1:
-        print(f"\nclick margin over {len(runs)} seeds: min {min(margins):+.4f}, mean {sum(margins) / len(margins):+.4f}, "
-              f"max {max(margins):+.4f}; {sum(m >= CLICK_MARGIN_TARGET for m in margins)} of {len(runs)} pass "
-              f"-> {_verdict(min(margins))}")
+    summary = _margin_summary(runs)
+    if len(runs) > 1 and summary["click_margin_min"] is not None:
+        print(f"\nclick margin over {len(runs)} seeds: min {summary['click_margin_min']:+.4f}, mean "
+              f"{summary['click_margin_mean']:+.4f}, max {max(run.click_margin for run in runs):+.4f}; "
+              f"{summary['passes']} of {len(runs)} pass -> {_verdict(summary['click_margin_min'])}")
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({
-            "seeds": [run.to_json() for run in runs], "click_margin_target": CLICK_MARGIN_TARGET,
-            "click_margin_min": min(margins), "click_margin_mean": sum(margins) / len(margins),
-            "passes": sum(m >= CLICK_MARGIN_TARGET for m in margins),
-        }, indent=2))
+        args.output.write_text(json.dumps({"seeds": [run.to_json() for run in runs], **summary}, indent=2))
     return 0
+
+
+def _margin_summary(runs: list[SeedRun]) -> dict[str, object]:
+    """The margins over the seeds (None without a model): the target holds only if it holds for every seed."""
+    margins = [run.click_margin for run in runs if run.has_model]
+    if not margins:
+        return {"click_margin_target": CLICK_MARGIN_TARGET, "click_margin_min": None, "click_margin_mean": None,
+                "passes": None}
+    return {"click_margin_target": CLICK_MARGIN_TARGET, "click_margin_min": min(margins),
+            "click_margin_mean": sum(margins) / len(margins),
+            "passes": sum(m >= CLICK_MARGIN_TARGET for m in margins)}
 
 
 if __name__ == "__main__":

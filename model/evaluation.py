@@ -2,7 +2,7 @@
 
 Scoring runs the serving forward (`HSTURecommender.forward`, full recompute) over each visit's
 window, batched like the trainer; candidates come back in request order, so every scorer of the
-same requests (model/baselines.py) lines up row by row.
+same requests (model/baselines/) lines up row by row.
 """
 from __future__ import annotations
 

@@ -5,11 +5,13 @@
 
 The split is the trainer's (model/train.py): visits before the split date train, the last
 `holdout_fraction` of them (in time) are the holdout, and every visit from the split date on
-is evaluated. Baselines learn from logged events: those before the holdout's first visit for
-fitting, the holdout visits' candidates for matrix factorisation's early stopping, and every
-event before the split date for the final fit of the count-based scorers (popularity, kNN).
-Nothing from the evaluation period is seen, except by the sequential model, which reads each
-user's history up to the visit it scores, as it does when serving.
+is evaluated. Every baseline (model/baselines/registry.py) is tuned the way the HSTU's epochs
+are picked: each grid point is fitted on what precedes the holdout's first visit and ranked on
+the holdout visits' click AUC; the best one is refitted on the whole training period (MF and
+SASRec, whose fits stop on the holdout, keep that fit) and scores the evaluated candidates once.
+Nothing from the evaluation period is learnt from; the sequential scorers (the HSTU, SASRec, the
+Markov model) read each user's events before the visit they score, as they do when serving,
+never the scored candidates' labels.
 """
 from __future__ import annotations
 
@@ -20,24 +22,33 @@ import numpy as np
 from data import jagged
 from data.dataset import InferenceDataset
 from data.schema import TASKS, action_labels
-from model.baselines import Interactions, ItemPopularity, MatrixFactorization, UserKNN
+from model.baselines import Baseline, Interactions, Tuned, TuningData, Visits, tune
+from model.baselines.registry import BASELINES, HISTORY_EVENTS
 from model.metrics import per_task_auc
 from model.train import TrainParams, date_to_ms, split_requests
 
 
 @dataclass(frozen=True)
 class QualitySplit:
-    train_requests: np.ndarray  # request indices the sequential model trains on
+    train_requests: np.ndarray  # request indices the sequential models train on
     holdout_requests: np.ndarray
     eval_requests: np.ndarray  # every visit from the split date on, in time order
     fit_events: Interactions  # events before the first holdout visit
     training_period_events: Interactions  # events before the split date
     holdout_pairs: Interactions  # the holdout visits' candidates
     eval_pairs: Interactions  # the evaluated visits' candidates, in request order
+    train_visits: Visits  # the same visits with each one's history, labelled
+    holdout_visits: Visits
+    training_period_visits: Visits  # train + holdout
+    eval_visits: Visits  # unlabelled: what a sequential baseline scores
+
+    def tuning_data(self) -> TuningData:
+        return TuningData(self.fit_events, self.holdout_pairs, self.training_period_events,
+                          self.train_visits, self.holdout_visits, self.training_period_visits)
 
 
 def quality_split(dataset: InferenceDataset, split_date: int, holdout_fraction: float = 0.1,
-                  max_eval_requests: int | None = None) -> QualitySplit:
+                  max_eval_requests: int | None = None, history_events: int = HISTORY_EVENTS) -> QualitySplit:
     params = TrainParams(split_date=split_date, holdout_fraction=holdout_fraction)
     train, holdout = split_requests(dataset, params)
     split_ms = date_to_ms(split_date)
@@ -45,10 +56,17 @@ def quality_split(dataset: InferenceDataset, split_date: int, holdout_fraction: 
     if len(evaluated) == 0:
         raise ValueError(f"no visits on or after {split_date}: nothing to evaluate")
     holdout_ms = int(dataset.requests.time_ms[holdout[0]])
+    events, requests = dataset.event_arrays(), dataset.requests
+
+    def visits(indices: np.ndarray, labelled: bool = True) -> Visits:
+        return Visits.build(events, requests, indices, history_events, with_labels=labelled)
+
     return QualitySplit(
         train_requests=train, holdout_requests=holdout, eval_requests=evaluated,
         fit_events=events_before(dataset, holdout_ms), training_period_events=events_before(dataset, split_ms),
         holdout_pairs=candidate_pairs(dataset, holdout), eval_pairs=candidate_pairs(dataset, evaluated),
+        train_visits=visits(train), holdout_visits=visits(holdout),
+        training_period_visits=visits(np.concatenate([train, holdout])), eval_visits=visits(evaluated, labelled=False),
     )
 
 
@@ -81,6 +99,7 @@ class QualityTable:
     model_names: tuple[str, ...]  # the scorers that are not baselines
     num_candidates: int
     num_requests: int
+    baselines: dict[str, dict[str, object]]  # baseline -> its picked parameters and holdout click AUC (Tuned.summary)
 
     def best_baseline(self, task: str = "click") -> tuple[str, float]:
         scores = {name: a[task] for name, a in self.auc.items() if name not in self.model_names and a[task] is not None}
@@ -100,24 +119,37 @@ class QualityTable:
         return "\n".join(lines)
 
 
-def fit_baselines(split: QualitySplit, seed: int = 0) -> dict[str, np.ndarray]:
-    """-> scorer name -> [M, num_tasks] scores of the evaluated candidates."""
-    pairs = split.eval_pairs
-    mf = MatrixFactorization(seed=seed).fit(split.fit_events, holdout=split.holdout_pairs)
-    return {
-        ItemPopularity.name: ItemPopularity().fit(split.training_period_events).score(pairs.user_ids, pairs.video_ids),
-        UserKNN.name: UserKNN().fit(split.training_period_events).score(pairs.user_ids, pairs.video_ids),
-        MatrixFactorization.name: mf.score(pairs.user_ids, pairs.video_ids),
-    }
+@dataclass(frozen=True)
+class BaselineRun:
+    tuned: Tuned
+    scores: np.ndarray  # [M, num_tasks] of the evaluated candidates
 
 
-def compare(split: QualitySplit, model_scores: dict[str, np.ndarray], seed: int = 0) -> QualityTable:
+def fit_baselines(split: QualitySplit, seed: int = 0, baselines: tuple[Baseline, ...] = BASELINES,
+                  progress: bool = True) -> dict[str, BaselineRun]:
+    """Tune each baseline on the holdout, refit it on the training period, score the evaluated candidates."""
+    runs = {}
+    data, pairs = split.tuning_data(), split.eval_pairs
+    for baseline in baselines:
+        tuned = tune(baseline, data, seed, progress)
+        if baseline.sequential:
+            scores = tuned.scorer.score(split.eval_visits)
+        else:
+            scores = tuned.scorer.score(pairs.user_ids, pairs.video_ids)
+        runs[baseline.name] = BaselineRun(tuned, scores)
+    return runs
+
+
+def compare(split: QualitySplit, model_scores: dict[str, np.ndarray], seed: int = 0,
+            baselines: tuple[Baseline, ...] = BASELINES, progress: bool = True) -> QualityTable:
     """Per-task AUC of the models' and the baselines' scores of the evaluated candidates."""
     labels = split.eval_pairs.labels
     for name, scores in model_scores.items():
         if scores.shape != labels.shape:
             raise ValueError(f"{name}: scores of shape {scores.shape} for {labels.shape[0]} candidates x "
                              f"{labels.shape[1]} tasks (score every candidate of split.eval_requests, in order)")
-    scorers = {**model_scores, **fit_baselines(split, seed)}
+    runs = fit_baselines(split, seed, baselines, progress)
+    scorers = {**model_scores, **{name: run.scores for name, run in runs.items()}}
     auc = {name: per_task_auc(scores, labels, TASKS) for name, scores in scorers.items()}
-    return QualityTable(auc, tuple(model_scores), len(labels), len(split.eval_requests))
+    picks = {name: run.tuned.summary() for name, run in runs.items()}
+    return QualityTable(auc, tuple(model_scores), len(labels), len(split.eval_requests), picks)

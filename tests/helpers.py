@@ -22,6 +22,7 @@ from data.manifest import PreprocessParams
 from data.preprocess import preprocess
 from data.synthetic import generate
 from data.synthetic_world import DEFAULT_SIGNAL, signal_config
+from model.baselines import Interactions, Visits
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
 
@@ -431,6 +432,42 @@ def pages_equal(a, b) -> bool:
 
     return (a.kv.shape == b.kv.shape and a.kv.dtype == b.kv.dtype and torch.equal(bits(a.kv), bits(b.kv))
             and torch.equal(a.times, b.times))
+
+
+# ---- baseline inputs ------------------------------------------------------------------
+def click_interactions(users, videos, clicks) -> Interactions:
+    """Events with only the click task set (the other 7 labels 0)."""
+    labels = np.zeros((len(users), NUM_TASKS), dtype=np.float32)
+    labels[:, 0] = clicks
+    return Interactions(np.asarray(users, np.int64), np.asarray(videos, np.int64), labels)
+
+
+def block_taste_events(rng: np.random.Generator, n: int, users: int = 40, videos: int = 60) -> Interactions:
+    """Random exposures; a user clicks a video of its own parity 80% of the time, another 20%."""
+    u, v = rng.integers(0, users, n), rng.integers(0, videos, n)
+    return click_interactions(u, v, rng.random(n) < np.where(u % 2 == v % 2, 0.8, 0.2))
+
+
+def successor(videos: np.ndarray, num_videos: int) -> np.ndarray:
+    """The planted transition: the video users act on right after `videos` (a permutation)."""
+    return (np.asarray(videos) * 7 + 3) % num_videos
+
+
+def transition_visits(rng: np.random.Generator, num_visits: int, num_videos: int = 30, history: int = 5,
+                      candidates: int = 4, users: int = 200) -> Visits:
+    """Visits of random users with random histories; half of each visit's candidates are the successor of
+    its last history video, clicked 90% of the time, the others random videos clicked 10% of the time.
+    Every video is a successor as often as any other, so nothing but the last event tells them apart."""
+    history_videos = rng.integers(0, num_videos, (num_visits, history))
+    follows = np.tile(np.arange(candidates) % 2 == 0, num_visits)  # [M]
+    visit = np.repeat(np.arange(num_visits), candidates)
+    candidate_videos = np.where(follows, successor(history_videos[visit, -1], num_videos),
+                                rng.integers(0, num_videos, len(visit)))
+    labels = np.zeros((len(visit), NUM_TASKS), dtype=np.float32)
+    labels[:, 0] = rng.random(len(visit)) < np.where(candidate_videos == successor(history_videos[visit, -1], num_videos),
+                                                     0.9, 0.1)
+    return Visits(rng.integers(0, users, num_visits), history_videos, np.zeros_like(history_videos),
+                  np.arange(num_visits + 1) * candidates, candidate_videos, labels)
 
 
 # ---- cache geometry shared by a test and the subprocesses it starts ----------------------

@@ -1,0 +1,27 @@
+"""The baseline set the quality comparison fits, each with the grid it is tuned over (model.baselines.tuning).
+
+Grids are small on purpose: a few values of the knobs each family is known to be sensitive to, so that
+the whole set fits in minutes on the demo data. docs/model.md lists them with what was picked.
+"""
+from __future__ import annotations
+
+from model.baselines.counts import ItemPopularity, UserKNN
+from model.baselines.factorization import MatrixFactorization
+from model.baselines.implicit_feedback import SIGNALS, WEIGHTINGS, ImplicitALS, ImplicitBPR, ItemKNN
+from model.baselines.markov import LastItemsMarkov
+from model.baselines.sasrec import SASRec
+from model.baselines.tuning import Baseline, grid
+
+HISTORY_EVENTS = 50  # history events each visit carries for the sequential baselines (their longest input)
+
+BASELINES: tuple[Baseline, ...] = (
+    Baseline(ItemPopularity, ({},)),
+    Baseline(UserKNN, grid(neighbours=(5, 10, 20, 40))),
+    Baseline(MatrixFactorization, grid(dim=(16, 32), l2=(1e-4, 1e-5), exposure_weight=(0.0, 1.0, 3.0, 10.0)), seeded=True),
+    Baseline(ImplicitALS, grid(factors=(16, 64), regularization=(1.0, 10.0, 100.0), signal=SIGNALS), seeded=True),
+    Baseline(ImplicitBPR, grid(factors=(16, 64), learning_rate=(0.01, 0.05), iterations=(50, 200), signal=SIGNALS),
+             seeded=True),
+    Baseline(ItemKNN, grid(neighbours=(100, 500, 2000), weighting=WEIGHTINGS, signal=SIGNALS)),
+    Baseline(LastItemsMarkov, grid(last_events=(1, 5, 20), shrinkage=(1.0, 10.0), prior=(5.0, 20.0, 100.0))),
+    Baseline(SASRec, grid(blocks=(1, 2), dropout=(0.1, 0.3)), seeded=True),
+)

@@ -1,0 +1,151 @@
+"""Sequential baselines (model/baselines/markov.py, sasrec.py) and the visits they read (base.Visits)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from data.dataset import EventArrays
+from data.requests import RequestTable
+from helpers import NUM_TASKS, transition_visits
+from model.baselines import Interactions, ItemPopularity, LastItemsMarkov, MatrixFactorization, SASRec, Visits
+from model.metrics import auc
+
+
+def _as_pairs(visits: Visits) -> Interactions:
+    """The visits' candidates as (user, video) events: what a non-sequential model gets."""
+    return Interactions(visits.user_ids[visits.candidate_visit()], visits.candidate_videos, visits.labels)
+
+
+def _click_auc(scores: np.ndarray, visits: Visits) -> float:
+    return auc(scores[:, 0], visits.labels[:, 0])
+
+
+@pytest.fixture(scope="module")
+def planted():
+    """Train / holdout / fresh visits where a candidate is clicked when it is the successor of the visit's
+    last history video (helpers.transition_visits)."""
+    rng = np.random.default_rng(0)
+    return transition_visits(rng, 600), transition_visits(rng, 150), transition_visits(rng, 300)
+
+
+def test_non_sequential_models_cannot_see_the_planted_transition(planted):
+    """The control: every video is a successor equally often and the users are random, so (user, video)
+    scorers rank fresh candidates no better than chance."""
+    train, holdout, fresh = planted
+    pairs = _as_pairs(fresh)
+    popularity = ItemPopularity().fit(_as_pairs(train)).score(pairs.user_ids, pairs.video_ids)
+    mf = MatrixFactorization(seed=0).fit(_as_pairs(train), _as_pairs(holdout)).score(pairs.user_ids, pairs.video_ids)
+    assert _click_auc(popularity, fresh) < 0.6 and _click_auc(mf, fresh) < 0.6
+
+
+def test_markov_model_learns_the_planted_transition(planted):
+    train, _, fresh = planted
+    scores = LastItemsMarkov(last_events=1).fit(train).score(fresh.unlabelled())
+    assert scores.shape == (len(fresh.candidate_videos), NUM_TASKS)
+    assert _click_auc(scores, fresh) > 0.8
+    # Looking further back dilutes the one transition that matters with four random ones.
+    diluted = LastItemsMarkov(last_events=5).fit(train).score(fresh.unlabelled())
+    assert _click_auc(diluted, fresh) < _click_auc(scores, fresh)
+
+
+def test_markov_model_backs_off_to_the_candidates_rate():
+    """No transition evidence: a candidate scores its own training rate; an unseen one the global rate."""
+    labels = np.zeros((3, NUM_TASKS), np.float32)
+    labels[:2, 0] = 1.0  # video 7 clicked twice, video 8 shown once and not clicked
+    train = Visits(np.array([0]), np.array([[5]]), np.array([[0]]), np.array([0, 3]), np.array([7, 7, 8]), labels)
+    model = LastItemsMarkov(last_events=1, shrinkage=1.0, prior=1.0).fit(train)
+    query = Visits(np.array([1]), np.array([[6]]), np.array([[0]]), np.array([0, 3]), np.array([7, 8, 9]), None)
+    clicks = model.score(query)[:, 0]
+    global_rate = 2 / 3
+    assert clicks == pytest.approx([(2 + global_rate) / 3, global_rate / 2, global_rate])
+    after_5 = model.score(Visits(np.array([1]), np.array([[5]]), np.array([[0]]), np.array([0, 1]), np.array([7]), None))
+    assert after_5[0, 0] == pytest.approx((2 + clicks[0]) / 3)  # the transitions 5 -> 7, shrunk to 7's rate
+
+
+def test_sasrec_learns_the_planted_transition(planted):
+    train, holdout, fresh = planted
+    model = SASRec(dim=16, blocks=1, heads=1, history_events=5, dropout=0.0, learning_rate=3e-3, epochs=15, seed=0)
+    model.fit(train, holdout)
+    assert 1 <= model.picked()["epochs"] <= 15 and len(model.holdout_scores) >= model.picked()["epochs"]
+    assert _click_auc(model.score(fresh.unlabelled()), fresh) > 0.8
+
+
+def _event_log(rng: np.random.Generator) -> tuple[EventArrays, RequestTable]:
+    """Three users with 40 events each; every 8 events one visit of 4 candidates from event 8 on."""
+    users, per_user = np.array([3, 5, 9]), 40
+    n = len(users) * per_user
+    events = EventArrays(users, np.arange(len(users) + 1) * per_user, rng.integers(0, 25, n),
+                         rng.integers(0, 256, n), np.arange(n) * 1000, np.zeros((len(users), 1), np.int64))
+    ends = np.arange(8, per_user - 4, 8)
+    user = np.repeat(users, len(ends))
+    end = np.tile(ends, len(users))
+    order = np.lexsort((user, end))  # time order: by visit position, then user
+    r = len(order)
+    requests = RequestTable(np.arange(r), user[order], end[order] * 1000, np.zeros(r, np.int64), end[order],
+                            np.full(r, 4))
+    return events, requests
+
+
+def test_visits_carry_each_users_last_events_before_the_visit():
+    events, requests = _event_log(np.random.default_rng(1))
+    visits = Visits.build(events, requests, np.arange(len(requests)), history_events=10, with_labels=True)
+    for b in range(len(requests)):
+        row = int(np.searchsorted(events.user_ids, requests.user_id[b]))
+        first, end = int(events.offsets[row]), int(requests.end[b])
+        expected = events.video_ids[first + max(end - 10, 0) : first + end]
+        history = visits.history_videos[b]
+        assert history[history != -1].tolist() == expected.tolist() and history[-1] == events.video_ids[first + end - 1]
+        candidates = visits.candidate_videos[visits.candidate_offsets[b] : visits.candidate_offsets[b + 1]]
+        assert candidates.tolist() == events.video_ids[first + end : first + end + 4].tolist()
+    assert visits.unlabelled().labels is None
+
+
+@pytest.mark.parametrize("make", [lambda: LastItemsMarkov(last_events=3),
+                                  lambda: SASRec(dim=8, blocks=1, heads=1, history_events=10, epochs=2, seed=0)],
+                         ids=["markov", "sasrec"])
+def test_sequential_baselines_never_read_the_scored_visit_or_what_follows(make):
+    """Rewriting every event from a visit's first candidate on (videos and actions) leaves its scores as they
+    were; rewriting one event before the visit changes them (the history is read)."""
+    rng = np.random.default_rng(2)
+    events, requests = _event_log(rng)
+    everything = np.arange(len(requests))
+    model = make().fit(Visits.build(events, requests, everything, 10, with_labels=True))
+    scored = everything[-3:]  # the last visit of each user
+    scores = model.score(Visits.build(events, requests, scored, 10, with_labels=False))
+
+    rows = np.searchsorted(events.user_ids, requests.user_id[scored])
+    starts = events.offsets[rows] + requests.end[scored]  # each scored visit's first candidate
+    after = np.concatenate([np.arange(s, e) for s, e in zip(starts + 4, events.offsets[rows + 1])])
+    candidates = np.concatenate([np.arange(s, s + 4) for s in starts])
+    videos, actions = events.video_ids.copy(), events.action_weights.copy()
+    videos[after] = rng.integers(0, 25, len(after))  # the candidates' ids are the query itself: kept
+    actions[candidates] = 255 - actions[candidates]
+    actions[after] = 255 - actions[after]
+    future_rewritten = events._replace(video_ids=videos, action_weights=actions)
+    again = model.score(Visits.build(future_rewritten, requests, scored, 10, with_labels=False))
+    np.testing.assert_array_equal(again, scores)
+
+    videos = videos.copy()
+    videos[starts - 1] = (videos[starts - 1] + 1) % 25  # the latest event before each visit
+    past_rewritten = future_rewritten._replace(video_ids=videos)
+    changed = model.score(Visits.build(past_rewritten, requests, scored, 10, with_labels=False))
+    assert not np.array_equal(changed, scores)
+
+
+def test_sequential_baselines_refuse_bad_input(planted):
+    train = planted[0]
+    with pytest.raises(ValueError, match="history_events must be >= 1, got 0"):
+        Visits.build(*_event_log(np.random.default_rng(0)), np.arange(2), history_events=0, with_labels=True)
+    with pytest.raises(ValueError, match="training visits need their candidates' labels"):
+        LastItemsMarkov().fit(train.unlabelled())
+    with pytest.raises(ValueError, match="last_events=9 but the visits carry 5 history events"):
+        LastItemsMarkov(last_events=9).fit(train)
+    with pytest.raises(ValueError, match=r"dim \(30\) must be a multiple of heads \(4\)"):
+        SASRec(dim=30, heads=4)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.0"):
+        SASRec(dropout=1.0)
+    with pytest.raises(ValueError, match="history_events=50 but the visits carry 5"):
+        SASRec(history_events=50, epochs=1).fit(train)
+    with pytest.raises(ValueError, match=r"labels \(7, 8\) for 8 candidates"):
+        Visits(np.array([0, 1]), np.zeros((2, 3), np.int64), np.zeros((2, 3), np.int64), np.array([0, 4, 8]),
+               np.zeros(8, np.int64), np.zeros((7, NUM_TASKS), np.float32))
