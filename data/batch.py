@@ -38,6 +38,12 @@ class VisitBatch:
     # [M, 3, 3] int64: the candidates' counting features, (user, video, user x video) x (shown,
     # clicks, long views) before the visit (data/candidate_counters.py); None = none known (all 0)
     candidate_counters: np.ndarray | None = None
+    # Training targets drawn from the history itself (`InferenceDataset.make_batch(history_targets=)`)
+    # see less than their visit's whole history: per candidate, the history end it sees (the event
+    # index of the target: it sees the events before it) and its time. None: every candidate sees its
+    # visit's history end and is scored at the request time (serving).
+    candidate_history_ends: np.ndarray | None = None  # [M] int64
+    candidate_times_ms: np.ndarray | None = None  # [M] int64
 
     @property
     def batch_size(self) -> int:

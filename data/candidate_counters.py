@@ -1,7 +1,7 @@
 """The counting features of a batch's candidates: what was logged before the visit, by whom, of what.
 
     counters = CandidateCounters.build(dataset.event_arrays(), video_until_ms=None)
-    counts = counters.for_candidates(rows, ends, request_times_ms, candidate_lengths, candidate_video_ids)
+    counts = counters.for_candidates(rows, ends, times_ms, video_ids)   # one entry per candidate
     counts.shape == (M, len(FAMILIES), 3)       # family x (shown, clicks, long views)
 
     user        the user's own events before the visit (their whole history, not only the window)
@@ -39,16 +39,16 @@ class CandidateCounters:
         return cls(events.offsets, counted_prefix_sums(events.action_weights),
                    VideoCounters.build(events, video_until_ms), PriorExposures.build(events))
 
-    def for_candidates(self, rows: np.ndarray, ends: np.ndarray, request_times_ms: np.ndarray,
-                       candidate_lengths: np.ndarray, candidate_video_ids: np.ndarray) -> np.ndarray:
+    def for_candidates(self, rows: np.ndarray, ends: np.ndarray, times_ms: np.ndarray,
+                       video_ids: np.ndarray) -> np.ndarray:
         """-> [M, len(FAMILIES), 3] int64 (shown, clicks, long views) per family.
 
-        rows [B] user rows, ends [B] history ends, request_times_ms [B], candidate_lengths [B],
-        candidate_video_ids [M]."""
-        lengths = np.asarray(candidate_lengths, dtype=np.int64)
+        Per candidate [M]: its user's row, the history end it sees (events before it count), its time
+        (every user's events of its video before it count) and its video id."""
+        rows = np.asarray(rows, dtype=np.int64)
         first, last = self.user_offsets[rows], self.user_offsets[rows] + np.asarray(ends, dtype=np.int64)
         user = np.concatenate([(last - first)[:, None],
                                (self.user_positives_before[last] - self.user_positives_before[first]).astype(np.int64)], 1)
-        video = self.video.counts(candidate_video_ids, np.repeat(request_times_ms, lengths))
-        pair = self.user_video.counts(rows, ends, lengths, candidate_video_ids)
-        return np.stack([np.repeat(user, lengths, axis=0), video, pair], axis=1)
+        video = self.video.counts(video_ids, times_ms)
+        pair = self.user_video.counts(rows, ends, video_ids)
+        return np.stack([user, video, pair], axis=1)

@@ -193,20 +193,45 @@ class InferenceDataset:
         return first_not_before - self._offsets[rows]
 
     # ------------------------------------------------------------ batches
-    def make_batch(self, indices: np.ndarray, starts: np.ndarray, window_starts: np.ndarray) -> VisitBatch:
+    def make_batch(self, indices: np.ndarray, starts: np.ndarray, window_starts: np.ndarray,
+                   history_targets: int = 0) -> VisitBatch:
         """The VisitBatch for requests `indices` carrying events [starts[i], end_i) of each
         user, with window_starts[i] <= starts[i] <= end_i. Candidates are the request's
-        events [end_i, end_i + num_candidates_i); labels are their action bits."""
+        events [end_i, end_i + num_candidates_i); labels are their action bits.
+
+        `history_targets` > 0 (training) puts each visit's last that many carried events before its
+        candidates as candidates too, each seeing only the events before it and scored at its own
+        time: every position of the history becomes a target, as generative recommenders train."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)  # [B]
         if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"request index out of range [0, {len(self)}): {idx[(idx < 0) | (idx >= len(self))][0]}")
+        if history_targets < 0:
+            raise ValueError(f"history_targets must be >= 0, got {history_targets}")
         req = self.requests
         row = self._request_user_row[idx]  # [B]
-        candidates = jagged.range_indices(self._offsets[row] + req.end[idx], req.num_candidates[idx])  # [M]
+        end, num_candidates = req.end[idx], req.num_candidates[idx]
+        candidates = jagged.range_indices(self._offsets[row] + end, num_candidates)  # [M]
+        if not history_targets:
+            return self._visit_batch(
+                row, end, starts, window_starts, req.request_id[idx], req.time_ms[idx],
+                num_candidates, self._video_ids[candidates], schema.action_labels(self._action_weights[candidates]),
+            )
+        targets_per_visit = np.minimum(history_targets, end - np.asarray(starts, dtype=np.int64).reshape(-1))
+        targets = jagged.range_indices(self._offsets[row] + end - targets_per_visit, targets_per_visit)  # flat events
+        target_slots, candidate_slots = jagged.concat_rows(targets_per_visit, num_candidates)
+
+        def merged(of_targets: np.ndarray, of_candidates: np.ndarray) -> np.ndarray:
+            out = np.empty((len(target_slots) + len(candidate_slots), *of_targets.shape[1:]), of_targets.dtype)
+            out[target_slots], out[candidate_slots] = of_targets, of_candidates
+            return out
+
+        events = merged(targets, candidates)
+        user_index = np.repeat(np.arange(len(idx)), num_candidates)
         return self._visit_batch(
-            row, req.end[idx], starts, window_starts, req.request_id[idx], req.time_ms[idx],
-            req.num_candidates[idx], self._video_ids[candidates],
-            schema.action_labels(self._action_weights[candidates]),
+            row, end, starts, window_starts, req.request_id[idx], req.time_ms[idx],
+            targets_per_visit + num_candidates, self._video_ids[events], schema.action_labels(self._action_weights[events]),
+            candidate_history_ends=merged(targets - self._offsets[np.repeat(row, targets_per_visit)], end[user_index]),
+            candidate_times_ms=merged(self._timestamps[targets], req.time_ms[idx][user_index]),
         )
 
     def make_request_batch(
@@ -238,6 +263,7 @@ class InferenceDataset:
         self, row: np.ndarray, end: np.ndarray, starts: np.ndarray, window_starts: np.ndarray,
         request_ids: np.ndarray, request_times: np.ndarray, num_candidates: np.ndarray,
         candidate_video_ids: np.ndarray, labels: np.ndarray | None,
+        candidate_history_ends: np.ndarray | None = None, candidate_times_ms: np.ndarray | None = None,
     ) -> VisitBatch:
         starts = np.asarray(starts, dtype=np.int64).reshape(-1)  # [B]
         window_starts = np.asarray(window_starts, dtype=np.int64).reshape(-1)  # [B]
@@ -261,6 +287,9 @@ class InferenceDataset:
         events = jagged.range_indices(base + starts, history_lengths)  # [N]
         # A visit always has >= 1 event before `end`, so event max(start - 1, 0) exists.
         prev_timestamps = self._timestamps[base + np.maximum(starts - 1, 0)]  # [B]
+        visit_of = np.repeat(np.arange(len(row)), num_candidates)  # [M]
+        counter_ends = end[visit_of] if candidate_history_ends is None else candidate_history_ends
+        counter_times = request_times[visit_of] if candidate_times_ms is None else candidate_times_ms
         return VisitBatch(
             request_ids=request_ids,
             user_ids=user,
@@ -276,7 +305,10 @@ class InferenceDataset:
             candidate_lengths=num_candidates,
             candidate_video_ids=candidate_video_ids,
             labels=labels,  # [M, num_tasks]
-            candidate_counters=self.counters().for_candidates(row, end, request_times, num_candidates, candidate_video_ids),
+            candidate_counters=self.counters().for_candidates(row[visit_of], counter_ends, counter_times,
+                                                              candidate_video_ids),
+            candidate_history_ends=candidate_history_ends,
+            candidate_times_ms=candidate_times_ms,
         )
 
     def counters(self) -> CandidateCounters:

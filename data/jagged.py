@@ -31,6 +31,16 @@ def range_indices(begin: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.asarray(begin, dtype=np.int64)[rows] + ranks
 
 
+def concat_rows(first_lengths: np.ndarray, second_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where the values of two jagged arrays go when each row of the first is followed by the same row
+    of the second: lengths [2, 1] and [1, 2] -> first [0, 1, 3], second [2, 4, 5] (slots of the result)."""
+    first_lengths = np.asarray(first_lengths, dtype=np.int64)
+    row_starts = offsets(first_lengths + np.asarray(second_lengths, dtype=np.int64))[:-1]
+    first = range_indices(row_starts, first_lengths)
+    second = range_indices(row_starts + first_lengths, second_lengths)
+    return first, second
+
+
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """Device side: [B] lengths -> [B + 1] offsets (fbgemm; no host sync on CUDA)."""
     import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)

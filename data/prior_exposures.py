@@ -1,10 +1,10 @@
 """How often a user was shown a video before a point of their history, and what they did with it.
 
     index = PriorExposures.build(dataset.event_arrays())
-    counts = index.counts(rows, ends, candidate_lengths, candidate_video_ids)   # [M, 3]
+    counts = index.counts(rows, ends, video_ids)   # [M, 3], one entry per candidate
 
-`counts[i] = (shown, clicks, long views)` for candidate i of visit b: user b's events before event
-`ends[b]` with the candidate's video, and how many of them carry each counted action
+`counts[i] = (shown, clicks, long views)` for candidate i: its user's events before event `ends[i]`
+with its video, and how many of them carry each counted action
 (`schema.COUNTED_TASKS`). A ranker's "has this user seen / clicked this item before" cross
 feature: a repeated exposure of a video the user clicked is far likelier to be clicked again.
 
@@ -43,16 +43,14 @@ class PriorExposures:
         order = np.argsort(keys, kind="stable")
         return cls(videos, keys[order], counted_prefix_sums(events.action_weights[order]), max_position)
 
-    def counts(self, rows: np.ndarray, ends: np.ndarray, candidate_lengths: np.ndarray,
-               candidate_video_ids: np.ndarray) -> np.ndarray:
-        """-> [M, 3] int64 (shown, clicks, long views) before each visit's history end, for its candidates.
+    def counts(self, rows: np.ndarray, ends: np.ndarray, video_ids: np.ndarray) -> np.ndarray:
+        """-> [M, 3] int64 (shown, clicks, long views) of each candidate's video before its history end.
 
-        rows [B] user rows, ends [B] history ends, candidate_lengths [B], candidate_video_ids [M]."""
-        visit = np.repeat(np.arange(len(rows)), np.asarray(candidate_lengths, dtype=np.int64))
-        rank, known = sorted_lookup(self.videos, candidate_video_ids)
+        rows [M] user rows, ends [M] history ends, video_ids [M]."""
+        rank, known = sorted_lookup(self.videos, video_ids)
         # A video the dataset never logged gets a rank no key has, so it counts nothing.
         rank = np.where(known, rank, len(self.videos))
-        row, end = np.asarray(rows, dtype=np.int64)[visit], np.asarray(ends, dtype=np.int64)[visit]
+        row, end = np.asarray(rows, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         lo = np.searchsorted(self.keys, self._key(row, rank, 0, len(self.videos), self.max_position))
         hi = np.searchsorted(self.keys, self._key(row, rank, np.minimum(end, self.max_position + 1),
                                                   len(self.videos), self.max_position))

@@ -32,11 +32,13 @@ def window_starts(model: HSTURecommender, ends: np.ndarray, max_history_events: 
 
 
 def window_batch(
-    model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray, max_history_events: int | None = None
+    model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray, max_history_events: int | None = None,
+    history_targets: int = 0,
 ) -> VisitBatch:
-    """The full-recompute batch of requests `indices`: each visit carries its whole window."""
+    """The full-recompute batch of requests `indices`: each visit carries its whole window (and, for
+    training, its last `history_targets` events as targets too: `InferenceDataset.make_batch`)."""
     starts = window_starts(model, dataset.requests.end[indices], max_history_events)
-    return dataset.make_batch(indices, starts, starts)
+    return dataset.make_batch(indices, starts, starts, history_targets=history_targets)
 
 
 @dataclass(frozen=True)

@@ -79,34 +79,35 @@ def token_features(
     prev_times = np.roll(batch.timestamps_ms, 1)
     first = event_ranks == 0
     prev_times[first] = batch.prev_timestamps_ms[event_rows[first]]
-    # The user's last event before the candidates. [B]
-    event_ends = offsets(batch.history_lengths)[1:]
-    last_event = batch.prev_timestamps_ms.copy()
-    has_events = batch.history_lengths > 0
-    last_event[has_events] = batch.timestamps_ms[event_ends[has_events] - 1]
-    request_times = batch.request_times_ms[cand_rows]
-
+    # Each candidate's history end, time and the time of the last event it sees. [M]
+    history_starts = offsets(batch.history_lengths)  # [B + 1] flat index of each user's first carried event
+    ends = batch.ends[cand_rows] if batch.candidate_history_ends is None else batch.candidate_history_ends
+    times = batch.request_times_ms[cand_rows] if batch.candidate_times_ms is None else batch.candidate_times_ms
+    last_seen = ends - 1 - batch.starts[cand_rows]  # rank of that event among the user's carried events
+    carried = last_seen >= 0
+    last_event = batch.prev_timestamps_ms[cand_rows].copy()
+    last_event[carried] = batch.timestamps_ms[history_starts[cand_rows[carried]] + last_seen[carried]]
     ids = {
         "video_id": (np.remainder(batch.video_ids, config.video_hash_size),
                      np.remainder(batch.candidate_video_ids, config.video_hash_size)),
         "action": (batch.action_weights, np.full(n_cands, UNKNOWN_ACTION_ID, dtype=np.int64)),
         "time_gap": (time_gap_bucket(batch.timestamps_ms - prev_times, config.num_time_gap_buckets),
-                     time_gap_bucket(request_times - last_event[cand_rows], config.num_time_gap_buckets)),
-        "hour": (hour_of_day(batch.timestamps_ms), hour_of_day(request_times)),
-        "position": (layout.position_ids(batch.starts[event_rows] + event_ranks), spans.candidate_positions[cand_rows]),
+                     time_gap_bucket(times - last_event, config.num_time_gap_buckets)),
+        "hour": (hour_of_day(batch.timestamps_ms), hour_of_day(times)),
+        "position": (layout.position_ids(batch.starts[event_rows] + event_ranks), layout.position_ids(ends)),
     }
     exact = exact_shape(batch, spans)
     shape = shape or exact
     if not shape.holds(exact):
         raise ValueError(f"a batch of shape {exact} does not fit in {shape}")
-    history_starts = offsets(spans.history_lengths)  # [B + 1]
-    event_token_rows = history_starts[event_rows] + spans.prefix_lengths[event_rows] + event_ranks
+    token_starts = offsets(spans.history_lengths)  # [B + 1] first history row of each user (prefix included)
+    event_token_rows = token_starts[event_rows] + spans.prefix_lengths[event_rows] + event_ranks
     opening = np.flatnonzero(spans.prefix_lengths > 0)  # [P]
     num_prefix = layout.num_prefix
     token_ids = {name: np.concatenate(parts).astype(np.int64, copy=False) for name, parts in ids.items()}
     token_rows = np.concatenate([event_token_rows, shape.history_rows + np.arange(n_cands, dtype=np.int64)])
     prefix_ids = np.ascontiguousarray(batch.user_features[opening, :num_prefix], dtype=np.int64)
-    prefix_rows = history_starts[opening, None] + np.arange(num_prefix, dtype=np.int64)
+    prefix_rows = token_starts[opening, None] + np.arange(num_prefix, dtype=np.int64)
     candidate_video_ids = np.zeros(shape.candidate_rows, dtype=np.int64)
     candidate_video_ids[:n_cands] = ids["video_id"][1]
     candidate_user_ids = np.zeros(shape.candidate_rows, dtype=np.int64)
@@ -114,7 +115,7 @@ def token_features(
     candidate_counters = counter_inputs(batch.candidate_counters, shape.candidate_rows, config.counter_buckets)
     query_times = np.full(shape.num_rows + 1, NO_TIME, dtype=np.int64)
     query_times[event_token_rows] = batch.timestamps_ms
-    query_times[shape.history_rows : shape.history_rows + n_cands] = request_times
+    query_times[shape.history_rows : shape.history_rows + n_cands] = times
     if shape != exact:  # fixed lengths: a bucket's token count bounds N + M, its user count P
         pad_tokens, pad_users = shape.num_rows - len(token_rows), shape.users - len(opening)
         token_ids = {name: np.pad(ids, (0, pad_tokens)) for name, ids in token_ids.items()}

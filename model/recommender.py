@@ -144,10 +144,14 @@ class HSTURecommender(nn.Module):
 
     def _plan_attention(self, spans: TokenSpans, batch: VisitBatch, kv: KVStore, shape: BatchShape, bucketed: bool):
         backend = self.resolved_attention_backend()
+        key_ends = None
+        if batch.candidate_history_ends is not None:  # history targets: each sees the window up to its own event
+            window_starts = np.repeat(batch.window_starts, batch.candidate_lengths)
+            key_ends = self.layout.num_prefix + batch.candidate_history_ends - window_starts
         if backend != "triton":
             query_block, key_block = self.attention_blocks or (None, None)
             return plan_attention(spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing,
-                                  shape, query_block=query_block, key_block=key_block)
+                                  shape, query_block=query_block, key_block=key_block, candidate_key_ends=key_ends)
         page_size = kv.addressing.page_size
         # A bucket's arrays have fixed lengths: its page table holds any window, its split depends on the bucket only.
         page_capacity = shape.users * -(-self.config.max_seq_len // page_size) if bucketed and page_size else None
@@ -156,7 +160,7 @@ class HSTURecommender(nn.Module):
         splits = triton_attention.num_splits(tiles, self.config.num_heads, longest, self.device)
         return plan_attention(
             spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing, shape,
-            backend="triton", page_capacity=page_capacity, splits=splits,
+            backend="triton", page_capacity=page_capacity, splits=splits, candidate_key_ends=key_ends,
         )
 
     def _staging_for(self, device: torch.device) -> DeviceStaging:
@@ -171,6 +175,21 @@ class HSTURecommender(nn.Module):
                                       ("candidate_video_ids", batch.candidate_video_ids, batch.candidate_lengths)):
             if len(values) != int(lengths.sum()):
                 raise ValueError(f"VisitBatch.{name} has {len(values)} values but its lengths sum to {int(lengths.sum())}")
+        num_candidates = len(batch.candidate_video_ids)
+        for name in ("candidate_history_ends", "candidate_times_ms"):
+            values = getattr(batch, name)
+            if values is not None and values.shape != (num_candidates,):
+                raise ValueError(f"VisitBatch.{name} has shape {values.shape}, expected ({num_candidates},)")
+        if batch.candidate_history_ends is not None:
+            visit = np.repeat(np.arange(batch.batch_size), batch.candidate_lengths)
+            outside = ((batch.candidate_history_ends < batch.window_starts[visit])
+                       | (batch.candidate_history_ends > batch.ends[visit]))
+            if outside.any():
+                i = int(np.flatnonzero(outside)[0])
+                b = int(visit[i])
+                raise ValueError(f"User {int(batch.user_ids[b])}: candidate {i} sees history up to event "
+                                 f"{int(batch.candidate_history_ends[i])}, outside its window "
+                                 f"[{int(batch.window_starts[b])}, {int(batch.ends[b])}]")
         if batch.labels is not None and batch.labels.shape != (len(batch.candidate_video_ids), cfg.num_tasks):
             raise ValueError(f"VisitBatch.labels has shape {tuple(batch.labels.shape)}, expected "
                              f"({len(batch.candidate_video_ids)}, {cfg.num_tasks})")

@@ -45,7 +45,6 @@ class TokenSpans:
     history_lengths: np.ndarray  # prefix + events computed in this visit
     start_pos: np.ndarray  # cache position of the first computed token
     expected_cached_lengths: np.ndarray  # tokens the cache must already hold before start_pos
-    candidate_positions: np.ndarray  # position-embedding id shared by the user's candidates
 
 
 class TokenLayout:
@@ -105,13 +104,11 @@ class TokenLayout:
         opens_window = starts == window_starts
         prefix = opens_window.astype(np.int64) * self.num_prefix
         start_pos = np.where(opens_window, window_starts, starts + self.num_prefix)
-        ends = starts + num_events
         return TokenSpans(
             prefix_lengths=prefix,
             history_lengths=prefix + num_events,
             start_pos=start_pos,
             expected_cached_lengths=start_pos - window_starts,
-            candidate_positions=self.position_ids(ends),
         )
 
     def position_ids(self, event_index: np.ndarray) -> np.ndarray:

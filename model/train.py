@@ -80,6 +80,9 @@ class TrainParams:
     dropout: float = 0.3
     warmup_steps: int = 20  # linear warm-up, then cosine decay to 10% over the planned steps
     max_history_events: int | None = 128  # training crops each visit to its last events (None: whole window)
+    # Each visit's last events scored as targets too, each seeing only the events before it
+    # (InferenceDataset.make_batch(history_targets=)); 0: the visits' candidates only.
+    history_targets: int = 0
     max_train_requests: int | None = None
     max_train_seconds: float | None = None
     seed: int = 0
@@ -234,6 +237,8 @@ def train(
         config = config_for_dataset(params.preset, dataset).replace(dropout=params.dropout)
         model = HSTURecommender(config, device=params.device)
     model.attention_blocks = TRAINING_ATTENTION_BLOCKS
+    # The blocked torch path: the Triton kernel computes forwards only (it has no backward).
+    serving_backend, model.attention_backend = model.attention_backend, "blocked"
     started = time.perf_counter()
     train_idx, holdout_idx = split_requests(dataset, params)
     optimizers, dense_params = _optimizers(model, params)
@@ -255,7 +260,7 @@ def train(
             for opt, lrs in zip(optimizers, base_lrs):
                 for group, lr in zip(opt.param_groups, lrs):
                     group["lr"] = lr * factor
-            batch = window_batch(model, dataset, idx, params.max_history_events)
+            batch = window_batch(model, dataset, idx, params.max_history_events, params.history_targets)
             inputs = model.prepare_inputs(batch)
             logits = model.run(inputs)
             bce = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(batch.labels).to(logits.device))
@@ -291,7 +296,7 @@ def train(
     stopper.restore_best(model)
     for table in _sparse_tables(model):
         table.sparse = False
-    model.attention_blocks = None
+    model.attention_blocks, model.attention_backend = None, serving_backend
     model = model.eval()
     best = next(e for e in epochs if e.epoch == stopper.best_epoch)
     report = TrainReport(
@@ -321,6 +326,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup_steps", type=int, default=d.warmup_steps)
     p.add_argument("--max_history_events", type=int, default=d.max_history_events,
                    help="training crops each visit's window to its last N events")
+    p.add_argument("--history_targets", type=int, default=d.history_targets,
+                   help="score each visit's last N history events as training targets too (each sees the events before it)")
     p.add_argument("--dropout", type=float, default=d.dropout, help="dropout of the layers while training")
     p.add_argument("--batch_size", type=int, default=d.batch_size)
     p.add_argument("--learning_rate", type=float, default=d.learning_rate)

@@ -8,7 +8,9 @@ or, with nothing cached, straight from its history rows of k/v (contiguous).
 
 Query i of user b's query sequence [history rows | candidates] sees keys j < key_end:
 history row i sees j <= c_b + i (causal); every candidate sees the whole window, j < L_b
-(plus itself, added by the kernels; never another candidate).
+(plus itself, added by the kernels; never another candidate). A training batch whose targets are
+drawn from the history gives each candidate its own key end instead (`candidate_key_ends`: the
+target's own window position, so it sees only the events before it; blocked backend only).
 
 Two backends read a plan. `blocked` (torch, the CPU path and the reference) gets
 (query block, key block) pairs: a pair exists only if some query of the block sees some key
@@ -116,21 +118,31 @@ def plan_attention(
     splits: int = 1,
     query_block: int | None = None,
     key_block: int | None = None,
+    candidate_key_ends: np.ndarray | None = None,
 ) -> AttentionPlan:
     """`page_capacity` fixes the length of the triton page table (a bucket's bound); `splits` is
     the triton key split (see model/attention/triton_attention.py). `query_block` fixes the
-    blocked path's query block (default: the cheapest for each schedule, `query_block_for`)."""
+    blocked path's query block (default: the cheapest for each schedule, `query_block_for`).
+    `candidate_key_ends` [M] gives each candidate its own key end (in window positions, at most
+    its user's window length; default: the window length)."""
     n = np.asarray(history_lengths, dtype=np.int64)
     m = np.asarray(candidate_lengths, dtype=np.int64)
     c = np.asarray(cached_lengths, dtype=np.int64)
     history_offsets, candidate_offsets = offsets(n), offsets(m)
     shape = shape or BatchShape.exact(len(n), int(history_offsets[-1]), int(candidate_offsets[-1]))
     common = (n, m, c, history_offsets, candidate_offsets, addressing, shape)
+    if candidate_key_ends is not None:
+        candidate_key_ends = np.asarray(candidate_key_ends, dtype=np.int64)
+        window = np.repeat(c + n, m)
+        if len(candidate_key_ends) != len(window) or np.any((candidate_key_ends < 0) | (candidate_key_ends > window)):
+            raise ValueError(f"candidate_key_ends must hold one key end in [0, window length] per candidate ({len(window)})")
     if backend == "triton":
+        if candidate_key_ends is not None:
+            raise ValueError("per-candidate key ends (history targets, a training batch) need the blocked backend")
         return AttentionPlan(*common, backend, None, None, _triton_arrays(*common, page_capacity), splits)
     if backend != "blocked":
         raise ValueError(f"unknown attention backend {backend!r}; choose blocked or triton")
-    schedule = _Scheduler(*common, key_block or KEY_BLOCK)
+    schedule = _Scheduler(*common, key_block or KEY_BLOCK, candidate_key_ends)
     all_rows, candidate_rows = np.zeros_like(n), n
     return AttentionPlan(
         *common, backend,
@@ -190,10 +202,12 @@ def _triton_arrays(n, m, c, history_offsets, candidate_offsets, addressing, shap
 
 class _Scheduler:
     def __init__(
-        self, n, m, c, history_offsets, candidate_offsets, addressing: KeyAddressing, shape: BatchShape, kb: int
+        self, n, m, c, history_offsets, candidate_offsets, addressing: KeyAddressing, shape: BatchShape, kb: int,
+        candidate_key_ends: np.ndarray | None = None,
     ) -> None:
         self.n, self.m, self.c = n, m, c
         self.kb = kb
+        self.candidate_key_ends = candidate_key_ends
         self.history_offsets, self.candidate_offsets = history_offsets, candidate_offsets
         self.addressing = addressing
         self.n_hist = shape.history_rows  # candidate rows start here
@@ -202,12 +216,20 @@ class _Scheduler:
     def key_end(self, user: np.ndarray, row: np.ndarray) -> np.ndarray:
         """Keys seen by query row `row` (of its user's query sequence): j < key_end."""
         n, c = self.n[user], self.c[user]
-        return np.where(row < n, c + row + 1, c + n)
+        return np.where(row < n, c + row + 1, self._candidate_position(user, row))
 
     def query_position(self, user: np.ndarray, row: np.ndarray) -> np.ndarray:
-        """Window position of query row `row`: a history row's own, the window's length for a candidate."""
+        """Window position of query row `row`: a history row's own; a candidate's is its key end (the
+        window's length, where the next event would sit, unless given per candidate)."""
         n, c = self.n[user], self.c[user]
-        return np.where(row < n, c + row, c + n)
+        return np.where(row < n, c + row, self._candidate_position(user, row))
+
+    def _candidate_position(self, user: np.ndarray, row: np.ndarray) -> np.ndarray:
+        if self.candidate_key_ends is None:
+            return self.c[user] + self.n[user]
+        index = self.candidate_offsets[user] + row - self.n[user]  # the candidate, where row is one
+        is_candidate = (row >= self.n[user]) & (index < len(self.candidate_key_ends))
+        return np.where(is_candidate, self.candidate_key_ends[np.where(is_candidate, index, 0)], 0)
 
     def blocks(self, first_row: np.ndarray, qb: int) -> BlockSchedule:
         """The blocks of `qb` rows and pairs for query rows first_row[b] .. n_b + m_b - 1 of every user b."""
@@ -216,11 +238,10 @@ class _Scheduler:
         rows_per_user = np.maximum(seq_len - first_row, 0)
         block_user, block_rank = row_ids_and_ranks(-(-rows_per_user // qb))
         block_first = first_row[block_user] + block_rank * qb  # [Q]
-        block_last = np.minimum(block_first + qb, seq_len[block_user]) - 1
-        keys_seen = self.key_end(block_user, block_last)  # the block's last row sees the most keys
-
         row = block_first[:, None] + np.arange(qb)  # [Q, QB] row in the user's query sequence
         valid_row = row < seq_len[block_user, None]
+        key_end = np.where(valid_row, self.key_end(block_user[:, None], row), 0)  # [Q, QB]
+        keys_seen = key_end.max(axis=1, initial=0)  # the keys the block's rows see at most
         is_history = row < self.n[block_user, None]
         q_rows = np.where(
             is_history,
@@ -243,7 +264,7 @@ class _Scheduler:
             block_users=block_user,
             block_first_row=block_first,
             block_rows=q_rows,
-            block_key_end=np.where(valid_row, self.key_end(block_user[:, None], row), 0),
+            block_key_end=key_end,
             block_query_positions=np.where(valid_row, self.query_position(block_user[:, None], row), 0),
             pair_blocks=pair_block,
             key_rows=k_rows,

@@ -79,7 +79,7 @@ def test_counters_equal_a_plain_count(processed, frozen):
                       np.split(batch.candidate_video_ids, splits), until)
     np.testing.assert_array_equal(batch.candidate_counters, expected)
     assert batch.candidate_counters[:, 1, 0].max() >= 1  # other users' exposures were found
-    unknown = dataset.counters().for_candidates(rows[:1], req.end[idx[:1]], req.time_ms[idx[:1]], [1], [10**12])
+    unknown = dataset.counters().for_candidates(rows[:1], req.end[idx[:1]], req.time_ms[idx[:1]], [10**12])
     np.testing.assert_array_equal(unknown[0, 1:], 0)
 
 
