@@ -82,10 +82,14 @@ class SyntheticSummary:
 
 def generate(
     out_dir: Path | str, scale: float = 1.0, seed: int = 0, config: SyntheticConfig | None = None,
-    progress: bool = True,
+    progress: bool = True, ids_as_clusters: bool = False,
 ) -> SyntheticSummary:
     """Write the six KuaiRand-1K files into `out_dir` (it plays the role of `KuaiRand-1K/data`);
-    `config` defaults to the default signal mix (`signal_config(DEFAULT_SIGNAL)`)."""
+    `config` defaults to the default signal mix (`signal_config(DEFAULT_SIGNAL)`).
+
+    `ids_as_clusters` writes each logged video id as its cluster's (the same events otherwise): the
+    planted signal with a perfect video tag, readable from ids that are seen thousands of times
+    (the video feature files keep the videos' own ids)."""
     config = config if config is not None else signal_config(DEFAULT_SIGNAL)
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
@@ -98,6 +102,9 @@ def generate(
     standard, sequence = _standard_events(rng, world, config)
     bar.update()
     random_log = _random_events(rng, world, scale, config)
+    if ids_as_clusters:
+        for log in (standard, random_log):
+            log["video_id"] = world.video_cluster[log["video_id"]]
     bar.update()
     early = standard["date"] <= schema.EARLY_DATES[1]  # split by date, as in the real files
     rows = {
@@ -263,10 +270,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="planted signal: item = cluster taste + video quality; user = taste + per-user "
                              "propensity; mixed = all three (default); sequential = a weaker taste + what each "
                              "user clicked lately, so the order of events matters")
+    parser.add_argument("--ids_as_clusters", action="store_true",
+                        help="log each video as its cluster's id: the signal with a perfect video tag")
     parser.add_argument("--no_progress", action="store_true")
     args = parser.parse_args(argv)
     summary = generate(args.out, scale=args.scale, seed=args.seed, config=signal_config(args.signal),
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, ids_as_clusters=args.ids_as_clusters)
     print(summary.to_json())
     return 0
 

@@ -7,7 +7,13 @@ time, a query and a key are.
 length for a candidate, so the newest event is 1 away from every candidate). `t_i - t_j` is in
 whole seconds between the tokens' timestamps (a history event's own; a candidate's is the
 request's). Contextual-prefix tokens have no time (`NO_TIME`): any pair involving one reads the
-time table's last row. Both tables start at zero, so a fresh model attends exactly as without them.
+time table's last row.
+
+The time table starts at zero. The position table starts from a recency prior (`recency_prior`):
+head h favours keys closer than a horizon of 4^(h+1) events and discounts older ones, log-linearly
+in distance, so that the heads begin as windows of different lengths. Without it, training has to
+discover recency from a flat start, and the candidate-only terms, which need no history, win the
+early optimisation (docs/model.md, "Learning order").
 
 Buckets are log-linear, like the exponent and the leading mantissa bits of a float: distances
 below 2^s each get their own bucket, then every doubling is cut into 2^s buckets (s = 3 for
@@ -29,6 +35,7 @@ TIME_SUBDIVISION = 2  # 4 buckets per doubling of the distance in seconds
 NO_TIME = -1  # the time of a token that has none (a contextual-prefix token)
 MS_PER_SECOND = 1000
 EXACT_FLOAT_LIMIT = (1 << 24) - 1  # distances are capped here before the float conversion: exact in float32
+RECENCY_PRIOR_LOGITS = 2.0  # the prior's bias at distance 0; it falls through 0 at the head's horizon
 
 
 def max_buckets(subdivision: int) -> int:
@@ -59,6 +66,25 @@ def time_bucket(query_times: Tensor, key_times: Tensor, num_buckets: int) -> Ten
     return torch.where((query_times < 0) | (key_times < 0), num_buckets, bucket)
 
 
+def bucket_start(subdivision: int, num_buckets: int) -> Tensor:
+    """[num_buckets] int64: the smallest distance in each bucket of `log_bucket`."""
+    exact = torch.arange(1 << subdivision)
+    steps = torch.arange(1 << subdivision)
+    exponents = torch.arange(subdivision, 24)
+    # Bucket boundaries past the exact range are 2^e (1 + m / 2^s): integers for e >= s.
+    starts = ((steps[None, :] + (1 << subdivision)) << (exponents[:, None] - subdivision)).flatten()
+    return torch.cat([exact, starts])[:num_buckets]
+
+
+def recency_prior(num_heads: int, num_buckets: int) -> Tensor:
+    """[H, P]: RECENCY_PRIOR_LOGITS x (1 - log(1 + d) / log(1 + 4^(h+1))) at each bucket's smallest
+    distance d: positive inside head h's horizon, negative beyond it."""
+    distance = bucket_start(POSITION_SUBDIVISION, num_buckets).double()
+    horizon = 4.0 ** torch.arange(1, num_heads + 1, dtype=torch.float64)
+    prior = 1 - torch.log1p(distance)[None, :] / torch.log1p(horizon)[:, None]
+    return (RECENCY_PRIOR_LOGITS * prior).float()
+
+
 @dataclass
 class BiasInputs:
     """The times a batch's relative bias reads on the device, shared by every layer of one forward."""
@@ -79,8 +105,8 @@ class RelativeAttentionBias(nn.Module):
             raise ValueError(f"need 0 <= num_position_buckets <= {MAX_POSITION_BUCKETS} and 0 <= num_time_buckets <= "
                              f"{MAX_TIME_BUCKETS}, got {num_position_buckets} and {num_time_buckets}")
         self.num_position_buckets, self.num_time_buckets = num_position_buckets, num_time_buckets
-        self.position = nn.Parameter(torch.zeros(num_heads, max(num_position_buckets, 1), device=device),
-                                     requires_grad=num_position_buckets > 0)
+        position = recency_prior(num_heads, num_position_buckets) if num_position_buckets else torch.zeros(num_heads, 1)
+        self.position = nn.Parameter(position.to(device), requires_grad=num_position_buckets > 0)
         self.time = nn.Parameter(torch.zeros(num_heads, num_time_buckets + 1, device=device),
                                  requires_grad=num_time_buckets > 0)
 

@@ -32,6 +32,20 @@ def test_sequential_generation_is_deterministic(tmp_path):
     assert a.sequence is not None and a.sequence.click_intercept == b.sequence.click_intercept
 
 
+def test_ids_as_clusters_logs_the_same_events_under_their_clusters_ids(tmp_path):
+    import pyarrow.csv as pc
+
+    config = signal_config("sequential")
+    plain = generate(tmp_path / "plain", 0.0005, 1, config, progress=False)
+    tagged = generate(tmp_path / "tagged", 0.0005, 1, config, progress=False, ids_as_clusters=True)
+    for name in (schema.LOG_STANDARD_EARLY, schema.LOG_STANDARD_LATE, schema.LOG_RANDOM):
+        a, b = pc.read_csv(plain.out_dir / name), pc.read_csv(tagged.out_dir / name)
+        videos = a.column("video_id").to_numpy()
+        np.testing.assert_array_equal(b.column("video_id").to_numpy(), plain.video_cluster[videos])
+        assert len(np.unique(b.column("video_id").to_numpy())) < len(np.unique(videos))
+        assert a.drop(["video_id"]).equals(b.drop(["video_id"]))
+
+
 def _timelines(rng: np.random.Generator, num_users: int, visits: int = 8, per_visit: int = 40):
     """[N] users and times, shuffled: visits of `per_visit` events ~15 s apart, hours apart."""
     user = np.repeat(np.arange(num_users), visits * per_visit)

@@ -21,10 +21,13 @@ from model.attention.relative_bias import (
     MAX_TIME_BUCKETS,
     NO_TIME,
     POSITION_SUBDIVISION,
+    RECENCY_PRIOR_LOGITS,
     TIME_SUBDIVISION,
     RelativeAttentionBias,
+    bucket_start,
     log_bucket,
     max_buckets,
+    recency_prior,
     time_bucket,
 )
 from model.recommender import HSTURecommender
@@ -125,3 +128,23 @@ def test_cached_keys_are_biased_by_the_times_the_cache_holds():
     moved.times_cache().sub_(30 * 24 * 3_600_000)
     assert_logits_close(serve(model, kept, histories, later), expected)
     assert not torch.allclose(serve(model, moved, histories, later), expected, atol=1e-3)
+
+
+def test_bucket_start_is_the_smallest_distance_of_each_bucket():
+    starts = bucket_start(POSITION_SUBDIVISION, MAX_POSITION_BUCKETS)
+    buckets = torch.arange(MAX_POSITION_BUCKETS)
+    assert torch.equal(log_bucket(starts, POSITION_SUBDIVISION, MAX_POSITION_BUCKETS), buckets)
+    assert torch.equal(log_bucket(starts[1:] - 1, POSITION_SUBDIVISION, MAX_POSITION_BUCKETS), buckets[:-1])
+
+
+def test_recency_prior_favours_each_heads_horizon():
+    prior = recency_prior(4, 81)
+    starts = bucket_start(POSITION_SUBDIVISION, 81)
+    assert torch.all(prior[:, 1:] < prior[:, :-1])  # older is always discounted
+    torch.testing.assert_close(prior[:, 0], torch.full((4,), RECENCY_PRIOR_LOGITS))
+    for h, horizon in enumerate([4, 16, 64, 256]):
+        assert prior[h, starts == horizon].abs().max() < 1e-6  # it crosses zero at the horizon
+    assert torch.all(prior[1:, 1:] > prior[:-1, 1:])  # each later head reaches further back
+    layer = RelativeAttentionBias(4, 81, 10)
+    torch.testing.assert_close(layer.position.data, prior)
+    assert not layer.time.any()
