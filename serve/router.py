@@ -33,13 +33,14 @@ import redis.asyncio as aioredis
 
 from serve.forwarder import ForwardError, NodeConnections
 from serve.http_app import run_until_signal
-from serve.http_server import HttpServer, Request, Response, Routes
+from serve.http_routes import Request, Response, Routes
+from serve.http_server import HttpServer, ServerLimits
 from serve.index_mirror import IndexMirror
 from serve.locality_index import Holding, LocalityIndexReader
 from serve.metrics import CONTENT_TYPE, FINE_LATENCY_BUCKETS_S, LATENCY_BUCKETS_S, Registry
 from serve.node_pool import NodePool, NodeState, parse_addresses
 from serve.policies import POLICY_NAMES, NodeView, RoutingPolicy, make_policy
-from serve.protocol import RequestError, parse_score_request
+from serve.protocol import MAX_ID, RequestError, parse_score_request
 
 log = logging.getLogger("serve.router")
 RETRY_ELSEWHERE = ("overloaded", "shutting_down")  # 503 codes of a node that another node may serve
@@ -152,9 +153,11 @@ class Router:
 
     async def route(self, request: Request) -> Response:
         text = request.path_tail
-        if not text.isdigit():
-            return self._answer_error(RequestError(400, "invalid_field", f"user_id must be an integer, got {text!r}"),
-                                      count=False)
+        # str.isdigit alone accepts "²", which int() refuses
+        if not (text.isascii() and text.isdigit() and len(text) <= 19 and int(text) <= MAX_ID):
+            return self._answer_error(
+                RequestError(400, "invalid_field", f"user_id must be an integer in [0, 2**63), got {text[:40]!r}"),
+                count=False)
         live = self.pool.live()
         if not live:
             return Response.json({"node": None, "nodes": {}}, status=503)
@@ -243,8 +246,9 @@ def _error_code(payload: bytes) -> str:
         return ""
 
 
-async def run(router: Router, host: str, port: int, shutdown_timeout_s: float = 10.0) -> None:
-    server = HttpServer(router.routes(), max_body_bytes=1 << 20)
+async def run(router: Router, host: str, port: int, shutdown_timeout_s: float = 10.0,
+              limits: ServerLimits | None = None) -> None:
+    server = HttpServer(router.routes(), limits)
 
     async def start() -> None:
         await router.start()
@@ -271,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue_cost_tokens", type=float, default=64.0,
                    help="kv-aware: cached tokens one request in an eligible node's queue outweighs")
     p.add_argument("--forward_timeout_s", type=float, default=30.0)
+    p.add_argument("--max_connections", type=int, default=ServerLimits.max_connections,
+                   help="client connections held at once; beyond it 503 and close (keep under `ulimit -n`)")
+    p.add_argument("--header_timeout_s", type=float, default=ServerLimits.header_timeout_s)
+    p.add_argument("--body_timeout_s", type=float, default=ServerLimits.body_timeout_s)
+    p.add_argument("--keep_alive_timeout_s", type=float, default=ServerLimits.keep_alive_timeout_s)
     p.add_argument("--probe_interval_s", type=float, default=0.5)
     p.add_argument("--probe_timeout_s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=None, help="random policy seed")
@@ -288,9 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         policy = make_policy(args.policy, seed=args.seed, queue_cost_tokens=args.queue_cost_tokens,
                              load_slack=args.load_slack)
         router = Router(pool, policy, args.redis_url, args.forward_timeout_s, args.probe_interval_s)
+        limits = ServerLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout_s,
+                              body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s)
     except ValueError as err:
         parser.error(str(err))
-    asyncio.run(run(router, args.host, args.port))
+    asyncio.run(run(router, args.host, args.port, limits=limits))
     return 0
 
 

@@ -6,13 +6,20 @@ import json
 
 from aiohttp import web
 
-from serve.http_server import Request
+from serve.http_routes import Request
 from serve.launch import free_port
 from serve.node_pool import NodePool
 from serve.policies import make_policy
 from serve.router import Router
 
 BODY = json.dumps({"user_id": 7, "request_time_ms": 1_650_000_000_000, "candidate_video_ids": [1, 2]}).encode()
+
+
+async def _serve(app: web.Application, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)  # a hung handler is not waited for
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
 
 
 async def _node(status: int, answer: dict, asked: list[int], port: int) -> web.AppRunner:
@@ -22,10 +29,7 @@ async def _node(status: int, answer: dict, asked: list[int], port: int) -> web.A
 
     app = web.Application()
     app.router.add_post("/score", score)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
+    return await _serve(app, port)
 
 
 def _route(answers: list[tuple[int, dict] | None]) -> tuple[int, dict, dict[str, str], list[int], list[int]]:
@@ -77,3 +81,10 @@ def test_when_no_node_answers_the_client_hears_no_node_available():
     status, body, _, _, asked = _route([None, None])
     assert status == 503 and body["error"]["code"] == "no_node_available" and asked == []
     assert "every node failed" in body["error"]["message"]
+
+
+def test_a_route_query_with_a_non_ascii_digit_is_a_400():
+    router = Router(NodePool(["127.0.0.1:1"]), make_policy("round-robin"))
+    for tail in ("²", "9" * 30, "-1"):
+        response = asyncio.run(router.route(Request("GET", f"/route/{tail}", {}, b"", tail)))
+        assert response.status == 400 and json.loads(response.body)["error"]["code"] == "invalid_field"
