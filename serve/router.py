@@ -83,6 +83,10 @@ class Router:
         self.probe_interval_s = probe_interval_s
         self.registry = Registry()
         self.metrics = RouterMetrics(self.registry, pool)
+        # read from the mirror, which counts them itself (a gauge of a count that only grows)
+        self.registry.gauge_callback(
+            "hstu_router_index_malformed_messages", "Locality index change messages no node could have written.",
+            lambda: self._mirror.malformed_messages if self._mirror is not None else 0)
         self._session: aiohttp.ClientSession | None = None
         self._redis: aioredis.Redis | None = None
         self._index: LocalityIndexReader | None = None
