@@ -23,7 +23,6 @@ import logging
 import socket
 from collections import deque
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 import httptools
@@ -52,19 +51,6 @@ class _Queued:
     handler: Handler | None
     answer: Response | None
     keep_alive: bool
-
-
-def encode(response: Response, keep_alive: bool) -> bytes:
-    try:
-        reason = HTTPStatus(response.status).phrase
-    except ValueError:
-        reason = ""
-    head = [f"HTTP/1.1 {response.status} {reason}", f"Content-Type: {response.content_type}",
-            f"Content-Length: {len(response.body)}"]
-    head += [f"{k}: {v}" for k, v in response.headers]
-    if not keep_alive:
-        head.append("Connection: close")
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + response.body
 
 
 def _parser_error_code(err: Exception, headers_done: bool) -> str:
@@ -241,7 +227,7 @@ class Connection(asyncio.Protocol):
     def _write(self, response: Response, keep_alive: bool) -> bool:
         """Send an answer; -> whether the connection stays open."""
         keep_alive = keep_alive and not self.closing
-        self._transport.write(encode(response, keep_alive))
+        self._transport.write(response.encode(keep_alive))
         if not keep_alive:
             self._transport.close()
             self._transport = None
@@ -285,9 +271,14 @@ class Connection(asyncio.Protocol):
         if backlog and not self._paused:
             self._transport.pause_reading()
             self._paused = True
+            self.deadline = None  # the client is not late while we do not read: the handler is
         elif not backlog and self._paused:
             self._transport.resume_reading()
             self._paused = False
+            if self._in_message:  # the phase's time starts again
+                phase = "body" if self._headers_done else "head"
+                limit = self._limits.body_timeout_s if self._headers_done else self._limits.header_timeout_s
+                self._set_deadline(limit, phase)
 
     def _set_deadline(self, timeout_s: float, reason: str) -> None:
         self.deadline = asyncio.get_running_loop().time() + timeout_s
@@ -299,8 +290,9 @@ class Connection(asyncio.Protocol):
             return
         if self.deadline_reason in ("head", "body") and self._idle():
             limit = self._limits.header_timeout_s if self.deadline_reason == "head" else self._limits.body_timeout_s
-            self._transport.write(encode(error_response(
-                408, "request_timeout", f"the request's {self.deadline_reason} did not arrive within {limit} s"), False))
+            self._transport.write(error_response(
+                408, "request_timeout", f"the request's {self.deadline_reason} did not arrive within {limit} s"
+            ).encode(keep_alive=False))
         self._transport.close()
         self._transport = None
         self.deadline = None

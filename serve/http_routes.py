@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from http import HTTPStatus
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,19 @@ class Response:
     @classmethod
     def json(cls, doc: object, status: int = 200, headers: tuple[tuple[str, str], ...] = ()) -> Response:
         return cls(status, json.dumps(doc).encode(), headers=headers)
+
+    def encode(self, keep_alive: bool) -> bytes:
+        """The answer on the wire (HTTP/1.1, a Content-Length body)."""
+        try:
+            reason = HTTPStatus(self.status).phrase
+        except ValueError:
+            reason = ""
+        head = [f"HTTP/1.1 {self.status} {reason}", f"Content-Type: {self.content_type}",
+                f"Content-Length: {len(self.body)}"]
+        head += [f"{k}: {v}" for k, v in self.headers]
+        if not keep_alive:
+            head.append("Connection: close")
+        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + self.body
 
 
 Handler = Callable[[Request], Awaitable[Response]]

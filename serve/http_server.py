@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
-from serve.http_connection import Connection, encode
+from serve.http_connection import Connection
 from serve.http_routes import Request, Response, Routes, error_response
 
 __all__ = ["HttpServer", "Request", "Response", "Routes", "ServerLimits", "error_response"]
@@ -41,8 +41,11 @@ class ServerLimits:
     header_timeout_s: float = 10.0  # from a request's first byte to the end of its head
     body_timeout_s: float = 30.0  # from the end of the head to the end of the body
     keep_alive_timeout_s: float = 30.0  # idle between requests (and before the first)
-    max_pipelined: int = 32  # requests queued behind the one being answered before reading pauses
-    max_buffered_bytes: int = (1 << 20) + (16 << 10)  # their bytes, likewise
+    # While a request is being answered, reading pauses once this many requests, or bytes of their
+    # bodies, wait behind it. Read-ahead only: a large body still arrives once its turn comes. A
+    # connection holds at most this plus one socket read (256 KiB) beyond the request in hand.
+    max_pipelined: int = 32
+    max_buffered_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_head_bytes", "max_connections", "max_pipelined", "max_buffered_bytes"):
@@ -57,8 +60,9 @@ class _Refuser(asyncio.Protocol):
     """A connection past the cap: told so at once, then closed."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(encode(error_response(
-            503, "too_many_connections", "the router holds its maximum of connections; retry later"), False))
+        transport.write(error_response(
+            503, "too_many_connections", "the router holds its maximum of connections; retry later"
+        ).encode(keep_alive=False))
         transport.close()
 
 

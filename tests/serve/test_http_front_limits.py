@@ -128,7 +128,8 @@ def test_connections_past_the_cap_are_refused_with_503_and_closed():
 
 
 @pytest.mark.parametrize("raw, status, code", [
-    (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: \xc2\xb2\r\n\r\n", 400, "bad_header"),
+    (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: \xb2\r\n\r\n", 400, "bad_header"),  # '²' in latin-1
+    (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: \xc2\xb2\r\n\r\n", 400, "bad_header"),  # in UTF-8
     (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n", 400, "bad_header"),
     (b"GET /echo HTTP/1.1\nHost: t\n\n", 400, "bad_request_line"),  # bare LF: refused, never a hang
     (b"GET /echo HTTP/1.1\r\n\r\n", 400, "missing_host"),
