@@ -190,9 +190,11 @@ class Connection(asyncio.Protocol):
         method = self._parser.get_method().decode("ascii")
         keep_alive = self._parser.should_keep_alive()
         handler, tail, answer = self._server.routes.resolve(method, path)
-        request = Request(method, path, self._headers, bytes(self._body), tail) if answer is None else None
+        request = None
+        if answer is None:  # a request answered without its handler (404, 405) keeps no body
+            request = Request(method, path, self._headers, bytes(self._body), tail)
+            self._queued_bytes += len(request.body)
         self._queue.append(_Queued(request, handler, answer, keep_alive))
-        self._queued_bytes += len(self._body)
         self._body = bytearray()
         self.deadline = None  # answering is the handler's time, bounded by its own timeouts
 
@@ -208,7 +210,7 @@ class Connection(asyncio.Protocol):
             self._queued_bytes -= len(item.request.body)
             self._task = asyncio.get_running_loop().create_task(self._answer(item))
             return
-        if self._idle() and not self._in_message:
+        if self._transport is not None and self._idle() and not self._in_message:
             self._set_deadline(self._limits.keep_alive_timeout_s, "idle")
 
     async def _answer(self, item: _Queued) -> None:

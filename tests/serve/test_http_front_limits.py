@@ -162,3 +162,36 @@ def test_a_refusal_behind_pipelined_requests_comes_after_their_answers():
 
     statuses, rest = run_server(scenario, _routes())
     assert statuses == [200, 200, 400] and rest == b""
+
+
+def test_bodies_of_requests_answered_without_a_handler_are_not_held():
+    async def scenario(server):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"".join(request_bytes("POST", "/missing", b"x" * 1000) for _ in range(100)))
+        statuses = [(await read_answer(reader))[0] for _ in range(100)]
+        (connection,) = server.connections
+        held = connection.buffered_bytes
+        writer.close()
+        return statuses, held
+
+    statuses, held = run_server(scenario, _routes())
+    assert statuses == [404] * 100 and held == 0
+
+
+def test_a_connection_paused_behind_a_slow_answer_is_not_timed_out():
+    """The client is not late while the server does not read: its body deadline waits for the resume."""
+    gate = asyncio.Event()
+
+    async def scenario(server):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(request_bytes("GET", "/gated") + request_bytes("POST", "/echo", b"y" * 200_000))
+        (connection,) = server.connections
+        await _until(lambda: connection.reading_paused, "reading paused")
+        await asyncio.sleep(0.5)  # over twice the body timeout, handler still busy
+        gate.set()
+        answers = [await read_answer(reader) for _ in range(2)]
+        writer.close()
+        return [a[0] for a in answers], server.expired_connections
+
+    statuses, expired = run_server(scenario, _routes(gate), body_timeout_s=0.2, max_body_bytes=300_000)
+    assert statuses == [200, 200] and expired == 0
