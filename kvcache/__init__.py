@@ -8,10 +8,15 @@
                    k_all, v_all = paged_kvcache_ops.gather_kvcache(mgr.k_cache(l), mgr.v_cache(l), meta.kv_slots)
     mgr.commit(meta)   # or mgr.rollback(meta) if the forward failed
 
+A caller that shares the manager with other threads plans against `mgr.get_user_versions(users)`
+and passes them as `prepare_kv_cache(..., expected_versions=)`: a prepare is then refused when
+another caller replaced the tokens meanwhile, also by others of the same length.
+
 Storage tiers (`kvcache.storage`: host memory, a persistent directory, a shared Redis) chain
 behind the device: KVCacheConfig(..., persistent_dir=..., redis_url=..., redis_namespace=...).
 """
 from . import paged_kvcache_ops
+from .cache_version import CacheVersion
 from .config import KVCacheConfig, PageLayout
 from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
 from .events import CacheEvent, CacheEventListener, CacheLocation
@@ -38,6 +43,7 @@ __all__ = [
     "CacheEventListener",
     "CacheLocation",
     "CacheStats",
+    "CacheVersion",
     "DiskHostStorage",
     "EvictionPolicy",
     "FailOpenStorage",

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .cache_version import CacheVersion
 from .config import KVCacheConfig
 from .errors import KVCacheRequestError
 from .events import CacheEventListener, CacheEvents
@@ -34,7 +35,7 @@ from .residency import Residency
 from .stats import CacheStats, new_counters, snapshot
 from .storage import HostKVStorage, build_host_storage
 from .transactions import Transactions
-from .validation import UserIds, int_list, not_in_flight
+from .validation import UserIds, check_user_id, not_in_flight, user_id_list
 
 
 class KVCacheManager:
@@ -127,29 +128,37 @@ class KVCacheManager:
         starts, lengths = [], []
         with self._lock:
             self._check_open()
-            for u in self._refusing(int_list, user_ids, "user_ids"):
+            for u in self._refusing(user_id_list, user_ids):
                 start, length, _ = self._residency.cached_entry(u)
                 starts.append(start)
                 lengths.append(length)
         return torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
 
+    def get_user_versions(self, user_ids: UserIds) -> list[CacheVersion]:
+        """What each user's reusable tokens are now (range, tag, the generation of their commit): pass
+        them as `prepare_kv_cache(..., expected_versions=)` to have the prepare refused if any changed
+        meanwhile, also to other tokens of the same length (see `kvcache.cache_version`)."""
+        with self._lock:
+            self._check_open()
+            return [self._residency.version(u) for u in self._refusing(user_id_list, user_ids)]
+
     def get_user_tags(self, user_ids: UserIds) -> list[bytes]:
         """The tag stored with each user's cached tokens (the one `get_user_kvdata_info` reports on);
         b"" when nothing is cached or the data was stored without a tag."""
         with self._lock:
-            return [self._residency.cached_entry(u).tag for u in self._refusing(int_list, user_ids, "user_ids")]
+            return [self._residency.cached_entry(u).tag for u in self._refusing(user_id_list, user_ids)]
 
     def read_kv(self, user_id: int, layer: int) -> tuple[Tensor, Tensor]:
         """The committed K and V of a user for one layer, [cached_len, H, D] each on the device (a copy)."""
         if not 0 <= layer < self.config.num_layers:
             raise IndexError(f"layer {layer} out of range for {self.config.num_layers} layers.")
         with self._lock:
-            return self._residency.read_kv(user_id, layer)
+            return self._residency.read_kv(self._refusing(check_user_id, user_id), layer)
 
     def read_times(self, user_id: int) -> Tensor:
         """The committed tokens' times of a user, [cached_len] int64 on the device (a copy)."""
         with self._lock:
-            return self._residency.read_times(user_id)
+            return self._residency.read_times(self._refusing(check_user_id, user_id))
 
     # ------------------------------------------------------------------ prepare / commit / rollback
     def prepare_kv_cache(
@@ -160,6 +169,7 @@ class KVCacheManager:
         tags: Sequence[bytes] | None = None,
         *,
         expected_cached_lengths: UserIds | None = None,
+        expected_versions: Sequence[CacheVersion] | None = None,
     ) -> KVCacheMetadata:
         """Validate a batch against the cache, onload and allocate pages, and return where its tokens live.
 
@@ -171,12 +181,15 @@ class KVCacheManager:
         `expected_cached_lengths` (one per user) is what the caller planned against, normally the
         lengths `get_user_kvdata_info` returned: a user whose cache no longer holds exactly that many
         tokens right before `start_pos` is refused with `KVCacheStaleError` (re-plan and retry). The
-        guard is per caller: it holds whatever other callers asked or did in between.
+        guard is per caller: it holds whatever other callers asked or did in between. Lengths cannot
+        see the tokens replaced by others of the same length; `expected_versions` (from
+        `get_user_versions`) can, and is the guard for callers that share the cache across threads.
         """
         with self._lock:
             self._check_open()
             residency = self._residency
-            plan = self._refusing(plan_prepare, residency, user_ids, start_pos, new_lengths, tags, expected_cached_lengths)
+            plan = self._refusing(plan_prepare, residency, user_ids, start_pos, new_lengths, tags, expected_cached_lengths,
+                                  expected_versions)
             if plan.pages_needed > self._pool.num_free:
                 residency.evict_for(plan.pages_needed, batch=set(plan.user_ids), protect=plan.on_host.keys())
             host_pages = self._refusing(read_planned, residency, plan)
@@ -208,7 +221,7 @@ class KVCacheManager:
         """
         with self._lock:
             self._check_open()
-            onloaded = self._residency.prefetch(self._refusing(int_list, user_ids, "user_ids"))
+            onloaded = self._residency.prefetch(self._refusing(user_id_list, user_ids))
             self._counters["prefetched_users"] += onloaded
             self._events.flush()
             return onloaded
@@ -224,7 +237,7 @@ class KVCacheManager:
             if user_ids is None:
                 users = list(self._users)
             else:
-                users = [u for u in self._refusing(int_list, user_ids, "user_ids") if u in self._users]
+                users = [u for u in self._refusing(user_id_list, user_ids) if u in self._users]
             if self._worker is None:
                 for u in users:
                     self._residency.offload(u)

@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .cache_version import CacheVersion, check_version
 from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
 from .residency import Residency
 from .storage import HostEntry, HostPages
-from .validation import UserIds, check_continues, check_expected, check_range, int_list, tag_list
+from .validation import UserIds, check_continues, check_expected, check_range, int_list, tag_list, user_id_list
 
 
 @dataclass(frozen=True)
@@ -34,15 +35,18 @@ def plan_prepare(
     new_lengths: UserIds,
     tags: Sequence[bytes] | None,
     expected_cached_lengths: UserIds | None,
+    expected_versions: Sequence[CacheVersion] | None = None,
 ) -> PreparePlan:
     """Check every user of the batch (docs/kvcache.md lists the refusals) and count its pages."""
-    users = int_list(user_ids, "user_ids")
+    users = user_id_list(user_ids)
     starts = int_list(start_pos, "start_pos")
     news = int_list(new_lengths, "new_lengths")
     expected = None if expected_cached_lengths is None else int_list(expected_cached_lengths, "expected_cached_lengths")
     if not len(users) == len(starts) == len(news) == (len(users) if expected is None else len(expected)):
         named = f"{len(users)}, {len(starts)}, {len(news)}" + ("" if expected is None else f", {len(expected)}")
         raise KVCacheRequestError(f"user_ids, start_pos, new_lengths and expected_cached_lengths differ in length: {named}.")
+    if expected_versions is not None and len(expected_versions) != len(users):
+        raise KVCacheRequestError(f"expected_versions holds {len(expected_versions)} versions for {len(users)} users.")
     user_tags = None if tags is None else tag_list(tags, len(users))
     if len(set(users)) != len(users):
         seen: set[int] = set()
@@ -66,6 +70,8 @@ def plan_prepare(
                 on_host[u] = h
         if expected is not None:
             check_expected(u, start, expected[b], cached_start, cached_len)
+        if expected_versions is not None:
+            check_version(u, expected_versions[b], residency.version(u))
         if cached_len:
             check_continues(u, start, cached_start, cached_start + cached_len)
         need += -(-(cached_len + new) // page_size) - have

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from . import paged_kvcache_ops
+from .cache_version import FROM_HOST, NOTHING, CacheVersion
 from .config import PageLayout
 from .events import CacheEvents
 from .metadata import token_slots
@@ -38,13 +39,14 @@ _NOTHING = HostEntry(0, 0)
 class Resident:
     """A user's committed tokens on the device (plus reserved pages while in flight)."""
 
-    __slots__ = ("length", "pages", "start_pos", "synced", "tag")
+    __slots__ = ("generation", "length", "pages", "start_pos", "synced", "tag")
 
     def __init__(self, start_pos: int, length: int, pages: array, tag: bytes = b"", synced: HostEntry | None = None):
         self.start_pos = start_pos
         self.length = length
         self.pages = pages
         self.tag = tag  # the caller's fingerprint of the committed tokens (travels to the host tiers)
+        self.generation = FROM_HOST  # the commit that made these tokens (kvcache.cache_version)
         # The host entry this manager last wrote or onloaded for the user: an offload appends only to
         # that one, never to an entry another writer (node, process) put there meanwhile.
         self.synced = synced
@@ -82,6 +84,14 @@ class Residency:
             return HostEntry(res.start_pos, res.length, res.tag)
         h = self.host.info(u) if res is None else None
         return h if h is not None else _NOTHING
+
+    def version(self, u: int) -> CacheVersion:
+        """The user's reusable tokens as `cached_entry` reports them, with the generation of their commit."""
+        res = self.users.get(u)
+        if res is not None and res.length:
+            return CacheVersion(res.start_pos, res.length, res.tag, res.generation)
+        h = self.host.info(u) if res is None else None
+        return CacheVersion(h.start_pos, h.length, h.tag, FROM_HOST) if h is not None else NOTHING
 
     def read_kv(self, u: int, layer: int) -> tuple[Tensor, Tensor]:
         """The user's committed K and V of one layer, [length, H, D] copies on the device, from the

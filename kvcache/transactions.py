@@ -11,6 +11,7 @@ import itertools
 from array import array
 from dataclasses import dataclass
 
+from .cache_version import FROM_HOST
 from .errors import KVCacheRequestError
 from .events import CacheEvents
 from .metadata import KVCacheMetadata, build_metadata
@@ -40,6 +41,7 @@ class Transactions:
         self._events = events
         self._counters = counters
         self.pending: dict[int, PendingPrepare] = {}  # prepare id -> what it changed
+        self._generations = itertools.count(FROM_HOST + 1)  # one per commit (kvcache.cache_version)
 
     def open(self, plan: PreparePlan, host_pages: dict[int, HostPages]) -> KVCacheMetadata:
         """Onload and allocate the planned batch from one allocation, and describe where its tokens live.
@@ -121,6 +123,7 @@ class Transactions:
         for u, n, tag in zip(pending.user_ids, pending.new_lengths, tags):
             res = residency.users[u]
             res.length += n
+            res.generation = next(self._generations)
             if tag is not None:
                 res.tag = tag
             if res.length == 0:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
+import numpy as np
+import torch
 from torch import Tensor
 
 from .errors import KVCacheRequestError, KVCacheStaleError
@@ -12,22 +14,46 @@ from .errors import KVCacheRequestError, KVCacheStaleError
 UserIds = Sequence[int] | Tensor
 # Token positions travel to the device as int32 (page tables, kernels): the last one must fit.
 MAX_TOKEN_POSITION = 2**31 - 1
+# User ids are int64 wherever they are tensors (batches, page tables, the serving API): [0, 2**63).
+MAX_USER_ID = 2**63 - 1
 
 
 def int_list(values: UserIds, name: str) -> list[int]:
+    """The integers of a 1-D integer tensor or a sequence of ints; bools are refused (True is not user 1)."""
     if isinstance(values, Tensor):
-        if values.dim() != 1 or values.is_floating_point() or values.is_complex():
+        if values.dim() != 1 or values.dtype == torch.bool or values.is_floating_point() or values.is_complex():
             raise KVCacheRequestError(f"{name} must be a 1-D integer tensor, got {values.dtype} {tuple(values.shape)}.")
         return values.tolist()
-    try:
-        return [operator.index(v) for v in values]
-    except TypeError as exc:
-        raise KVCacheRequestError(f"{name} must be a sequence of ints: {exc}") from exc
+    if isinstance(values, (str, bytes)):
+        raise KVCacheRequestError(f"{name} must be a sequence of ints, got {type(values).__name__}.")
+    out = []
+    for v in values:
+        if isinstance(v, (bool, np.bool_)):
+            raise KVCacheRequestError(f"{name} must hold ints, got the bool {v!r}.")
+        try:
+            out.append(operator.index(v))
+        except TypeError as exc:
+            raise KVCacheRequestError(f"{name} must be a sequence of ints: {exc}") from exc
+    return out
+
+
+def user_id_list(values: UserIds) -> list[int]:
+    """The user ids, each in [0, 2**63)."""
+    users = int_list(values, "user_ids")
+    for u in users:
+        check_user_id(u)
+    return users
+
+
+def check_user_id(u: int) -> int:
+    if isinstance(u, (bool, np.bool_)) or not isinstance(u, (int, np.integer)) or not 0 <= u <= MAX_USER_ID:
+        raise KVCacheRequestError(f"user id {u!r:.40} is not an integer in [0, 2**63).")
+    return int(u)
 
 
 def not_in_flight(user_ids: UserIds, in_flight: set[int], verb: str) -> list[int]:
     """The users, none of which may have a prepare in flight (they are about to be `verb`)."""
-    users = int_list(user_ids, "user_ids")
+    users = user_id_list(user_ids)
     for u in users:
         if u in in_flight:
             raise KVCacheRequestError(f"User {u} has a prepare in flight and cannot be {verb}; commit or roll it back first.")

@@ -74,10 +74,25 @@ def load_checkpoint(
         diffs = config_differences(config, expected_config)
         raise CheckpointError(f"Checkpoint {path} does not match the expected config: {diffs}")
     model = HSTURecommender(config, device=device)
+    _check_shapes(path, model.state_dict(), payload.get("state_dict"))
     missing, unexpected = model.load_state_dict(payload["state_dict"], strict=False)
     if missing or unexpected:
         raise CheckpointError(f"Checkpoint {path} weights do not fit its config: missing {missing}, unexpected {unexpected}")
     return Checkpoint(model=model.eval(), metadata=payload.get("metadata", {}))
+
+
+def _check_shapes(path: Path, expected: dict[str, torch.Tensor], stored: object) -> None:
+    """Name the first tensor whose stored shape is not the one its config builds (load_state_dict
+    would raise a RuntimeError listing every mismatch without saying which side is which)."""
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"Checkpoint {path} holds no state_dict (got {type(stored).__name__})")
+    for name, tensor in stored.items():
+        want = expected.get(name)
+        if want is not None and isinstance(tensor, torch.Tensor) and tensor.shape != want.shape:
+            raise CheckpointError(
+                f"Checkpoint {path}: tensor {name!r} has shape {tuple(tensor.shape)} in the weights, "
+                f"but its config builds {tuple(want.shape)}"
+            )
 
 
 def config_differences(actual: HSTUConfig, expected: HSTUConfig) -> str:

@@ -9,17 +9,21 @@ heartbeat key expired are dropped: a dead node's entries vanish here as they do 
 
 While it is not in sync (starting, Redis unreachable) `synced` is False and the router reads
 Redis directly instead (`LocalityIndexReader.lookup`).
+
+The channel is shared Redis, so a message may be anything: one that no node could have written
+is logged, counted (`malformed_messages`) and answered with a resync (a fresh snapshot), since the
+change it stood for, if any, is lost. An unexpected error restarts the mirror the same way; it
+never stops following while the router runs.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from serve.locality_index import Holding, IndexKeys, LocalityIndexReader, decode
+from serve.locality_index import Holding, IndexChange, IndexKeys, LocalityIndexReader, MalformedChange, parse_change
 
 log = logging.getLogger("serve.router")
 
@@ -33,6 +37,7 @@ class IndexMirror:
         self.synced = False
         self.messages = 0  # change messages applied
         self.resyncs = 0  # snapshots loaded (the first one included)
+        self.malformed_messages = 0  # change messages no node could have written (each one resyncs)
         self._by_node: dict[str, dict[int, Holding]] = {}
 
     def holdings(self, user_id: int, node_ids: Sequence[str]) -> dict[str, Holding]:
@@ -52,6 +57,8 @@ class IndexMirror:
             except (aioredis.RedisError, OSError, asyncio.TimeoutError, ValueError) as err:
                 log.warning("locality index mirror lost sync (%s: %s); routing reads Redis until it resyncs",
                             type(err).__name__, err)
+            except Exception:  # a bug must not end the mirror for good: log it and start over
+                log.exception("locality index mirror failed; routing reads Redis until it resyncs")
             self.synced = False
             await asyncio.sleep(self.check_interval_s)
 
@@ -69,7 +76,7 @@ class IndexMirror:
                 message = await pubsub.get_message(ignore_subscribe_messages=True,
                                                    timeout=max(0.0, next_check - loop.time()))
                 if message is not None and message.get("type") == "message":
-                    await self._apply(json.loads(message["data"]))
+                    await self._receive(message["data"])
                 if loop.time() >= next_check:
                     await self._drop_expired()
                     next_check = loop.time() + self.check_interval_s
@@ -84,19 +91,27 @@ class IndexMirror:
         self.resyncs += 1
         self.synced = True
 
-    async def _apply(self, change: dict) -> None:
-        node = str(change["node"])
-        self.messages += 1
-        if change.get("reset"):
-            self._by_node[node] = await self.reader.node_holdings(node)
+    async def _receive(self, data: bytes) -> None:
+        try:
+            change = parse_change(data)
+        except MalformedChange as err:
+            self.malformed_messages += 1
+            log.warning("locality index mirror: a malformed change message (%s); resyncing", err)
+            await self._snapshot()
             return
-        held = self._by_node.setdefault(node, {})
-        for user, value in change.get("set", {}).items():
-            holding = decode(value)
-            if holding is not None:
-                held[int(user)] = holding
-        for user in change.get("drop", []):
-            held.pop(int(user), None)
+        await self._apply(change)
+
+    async def _apply(self, change: IndexChange) -> None:
+        self.messages += 1
+        if change.reset:
+            self._by_node[change.node] = await self.reader.node_holdings(change.node)
+            return
+        held = self._by_node.setdefault(change.node, {})
+        for user, holding in change.holdings.items():
+            if holding is None:
+                held.pop(user, None)
+            else:
+                held[user] = holding
 
     async def _drop_expired(self) -> None:
         """Forget nodes whose heartbeat key expired."""

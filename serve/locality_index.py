@@ -53,14 +53,27 @@ def encode(holding: Holding) -> str:
 
 
 def decode(value: bytes | str | None) -> Holding | None:
-    """The holding stored in a field (None for a missing or unreadable one)."""
+    """The holding stored in a field (None for a missing or unreadable one: nobody holds the user there).
+
+    A field is written only by nodes, but Redis is shared: anything else found there (other bytes,
+    non-ASCII digits like "²" that str.isdigit accepts and int refuses) reads as no holding."""
     if value is None:
         return None
-    text = value.decode() if isinstance(value, bytes) else value
-    parts = text.split(":")
-    if len(parts) != 3 or parts[0] not in NODE_TIERS or not parts[1].isdigit() or not parts[2].isdigit():
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(value, str):
+        return None
+    parts = value.split(":")
+    if len(parts) != 3 or parts[0] not in NODE_TIERS or not all(_is_count(p) for p in parts[1:]):
         return None
     return Holding(parts[0], int(parts[1]), int(parts[2]))
+
+
+def _is_count(text: str) -> bool:
+    return text.isascii() and text.isdigit() and len(text) <= 19
 
 
 class IndexKeys:
@@ -93,6 +106,45 @@ def change_message(node_id: str, changes: Mapping[int, Holding | None] | None) -
         "set": {str(u): encode(h) for u, h in changes.items() if h is not None},
         "drop": [str(u) for u, h in changes.items() if h is None],
     })
+
+
+class MalformedChange(ValueError):
+    """A message on the change channel that no node wrote (see `parse_change`)."""
+
+
+class IndexChange(NamedTuple):
+    """One message of the change channel: a node's users set or dropped, or its whole hash replaced."""
+
+    node: str
+    reset: bool
+    holdings: dict[int, Holding | None]  # user -> its holding now (None: dropped)
+
+
+def parse_change(data: bytes | str) -> IndexChange:
+    """The change `change_message` wrote, or MalformedChange naming what is wrong (the channel is
+    shared Redis: anything may be published on it)."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as err:
+        raise MalformedChange(f"not JSON: {str(err)[:80]}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("node"), str):
+        raise MalformedChange(f"not an object with a string 'node': {str(data)[:80]!r}")
+    if doc.get("reset") is True:
+        return IndexChange(doc["node"], True, {})
+    stored, dropped = doc.get("set", {}), doc.get("drop", [])
+    if not isinstance(stored, dict) or not isinstance(dropped, list):
+        raise MalformedChange(f"'set' must be an object and 'drop' a list: {str(data)[:80]!r}")
+    holdings: dict[int, Holding | None] = {}
+    for user, value in stored.items():
+        holding = decode(value) if isinstance(value, str) else None
+        if not _is_count(user) or holding is None:
+            raise MalformedChange(f"set {str(user)[:30]!r}: {str(value)[:30]!r} is not a user and a holding")
+        holdings[int(user)] = holding
+    for user in dropped:
+        if not isinstance(user, str) or not _is_count(user):
+            raise MalformedChange(f"drop {str(user)[:30]!r} is not a user id")
+        holdings[int(user)] = None
+    return IndexChange(doc["node"], False, holdings)
 
 
 class LocalityIndexWriter:
@@ -177,5 +229,5 @@ class LocalityIndexReader:
     async def node_holdings(self, node_id: str) -> dict[int, Holding]:
         """Everything one node holds (user -> Holding)."""
         fields = await self.client.hgetall(self.keys.users(node_id))
-        decoded = {int(u): decode(h) for u, h in fields.items() if u.isdigit()}
+        decoded = {int(u): decode(h) for u, h in fields.items() if u.isascii() and u.isdigit()}
         return {u: h for u, h in decoded.items() if h is not None}

@@ -31,6 +31,7 @@ from serve.metrics import BATCH_SIZE_BUCKETS, CONTENT_TYPE, LATENCY_BUCKETS_S, R
 from serve.protocol import RequestError, ScoredVisit, ScoreQuery, parse_score_request
 
 log = logging.getLogger("serve.node")
+MAX_BODY_BYTES = 1 << 20  # a request body over this is refused with 413 (as at the router)
 
 
 class NodeMetrics:
@@ -95,7 +96,7 @@ class Node:
         return results
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 20)
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/score", self.score)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
@@ -112,7 +113,7 @@ class Node:
         try:
             if self.draining:
                 raise RequestError(503, "shutting_down", f"node {self.node_id} is shutting down")
-            query = parse_score_request(await request.read(), self.engine.config.max_candidates)
+            query = parse_score_request(await _read_body(request), self.engine.config.max_candidates)
             self.engine.validate(query)
             try:
                 done = await self.batcher.submit(query)
@@ -181,6 +182,14 @@ async def run(node: Node, host: str, port: int) -> None:
         on_ready=lambda: log.info("node %s ready on http://%s:%d", node.node_id, host, port),
         on_stop=lambda: log.info("node %s shutting down", node.node_id),
     )
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The body, or the documented 413 (aiohttp raises its own exception, which is not a RequestError)."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestError(413, "body_too_large", f"a body over {MAX_BODY_BYTES} bytes") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

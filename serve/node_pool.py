@@ -4,16 +4,19 @@ A node is *up* after its /health answered 200 with the model fingerprint the poo
 *down* after a probe or a forwarded request failed (connection refused or reset, timeout, a
 503 "draining"). A probe loop asks every node's /health each `interval_s`, so a node that comes
 back (restarted) is used again, and one that stopped answering between requests is taken out
-even if nobody was routed to it.
+even if nobody was routed to it. Taking a node out abandons the requests in flight to it (their
+forwards are cancelled and `Forward.abandoned` says so), so that a hung node holds a request no
+longer than its probe takes to notice, not for the whole forward timeout.
 
 All state lives on the router's event loop: no locks.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -27,10 +30,19 @@ class NodeState:
     up: bool = False
     in_flight: int = 0
     last_error: str = ""
+    forwards: dict[asyncio.Task, Forward] = field(default_factory=dict, repr=False)
 
     @property
     def url(self) -> str:
         return f"http://{self.address}"
+
+
+@dataclass
+class Forward:
+    """One request in flight to a node, as the task awaiting its answer."""
+
+    task: asyncio.Task
+    abandoned: bool = False  # the node was taken out under it: its answer is not awaited
 
 
 def parse_addresses(text: str | Sequence[str]) -> list[str]:
@@ -59,11 +71,36 @@ class NodePool:
     def by_id(self, node_id: str) -> NodeState:
         return next(n for n in self.nodes if n.node_id == node_id)
 
-    def mark_down(self, node: NodeState, reason: str) -> None:
+    def mark_down(self, node: NodeState, reason: str, abandon: bool = True) -> None:
+        """Take the node out; with `abandon`, cancel the forwards in flight to it (a node that drains,
+        answering what it holds, is taken out without)."""
         if node.up:
             log.warning("node %s (%s) taken out: %s", node.node_id, node.address, reason)
         node.up = False
         node.last_error = reason
+        if abandon:
+            for forward in node.forwards.values():
+                if not forward.abandoned:
+                    forward.abandoned = True
+                    forward.task.cancel(f"node {node.node_id} taken out: {reason}")
+
+    @contextlib.asynccontextmanager
+    async def forwarding(self, node: NodeState) -> AsyncIterator[Forward]:
+        """Around one forward to `node`: counts it in flight, and when the node is taken out meanwhile
+        ends the block early with `abandoned` set instead of a cancellation (any other error passes)."""
+        task = asyncio.current_task()
+        forward = Forward(task)
+        node.forwards[task] = forward
+        node.in_flight += 1
+        try:
+            yield forward
+        except asyncio.CancelledError:
+            if not forward.abandoned:
+                raise  # the request itself was cancelled (its client left, the router stops)
+            task.uncancel()
+        finally:
+            node.in_flight -= 1
+            del node.forwards[task]
 
     def _mark_up(self, node: NodeState, health: dict) -> None:
         fingerprint = str(health.get("model_fingerprint", ""))

@@ -60,8 +60,10 @@ def parse_score_request(body: bytes, max_candidates: int | None = None) -> Score
     """The request in `body`, or a `RequestError` (400: malformed; 422: too many candidates)."""
     try:
         doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise bad_request("malformed_json", f"the request body is not valid JSON: {err}") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, and an integer over Python's 4300 digits
+        raise bad_request("malformed_json", f"the request body is not valid JSON: {str(err)[:200]}") from None
+    except RecursionError:
+        raise bad_request("malformed_json", "the request body nests JSON too deeply") from None
     if not isinstance(doc, dict):
         raise bad_request("malformed_request", f"the request body must be a JSON object, got {type(doc).__name__}")
     unknown = sorted(set(doc) - set(FIELDS))

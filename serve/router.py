@@ -33,13 +33,14 @@ import redis.asyncio as aioredis
 
 from serve.forwarder import ForwardError, NodeConnections
 from serve.http_app import run_until_signal
-from serve.http_server import HttpServer, Request, Response, Routes
+from serve.http_routes import Request, Response, Routes
+from serve.http_server import HttpServer, ServerLimits
 from serve.index_mirror import IndexMirror
 from serve.locality_index import Holding, LocalityIndexReader
 from serve.metrics import CONTENT_TYPE, FINE_LATENCY_BUCKETS_S, LATENCY_BUCKETS_S, Registry
 from serve.node_pool import NodePool, NodeState, parse_addresses
 from serve.policies import POLICY_NAMES, NodeView, RoutingPolicy, make_policy
-from serve.protocol import RequestError, parse_score_request
+from serve.protocol import MAX_ID, RequestError, parse_score_request
 
 log = logging.getLogger("serve.router")
 RETRY_ELSEWHERE = ("overloaded", "shutting_down")  # 503 codes of a node that another node may serve
@@ -52,6 +53,8 @@ class RouterMetrics:
         self.failovers = registry.counter(
             "hstu_router_failovers_total", "Forwards that failed and went to another node.", ("node",))
         self.index_errors = registry.counter("hstu_router_index_errors_total", "Locality index lookups that failed.")
+        self.abandoned = registry.counter(
+            "hstu_router_abandoned_total", "Forwards abandoned because the probe took their node out.", ("node",))
         self.latency = registry.histogram("hstu_router_request_seconds", "Time in the router, node included.",
                                           LATENCY_BUCKETS_S)
         self.overhead = registry.histogram("hstu_router_overhead_seconds", "Time in the router minus the node's answer.",
@@ -66,17 +69,24 @@ class RouterMetrics:
 
 class Router:
     def __init__(self, pool: NodePool, policy: RoutingPolicy, redis_url: str | None = None,
-                 forward_timeout_s: float = 30.0, probe_interval_s: float = 0.5) -> None:
+                 forward_timeout_s: float = 30.0, probe_interval_s: float = 0.5,
+                 request_deadline_s: float | None = None) -> None:
         if policy.uses_index and redis_url is None:
             raise ValueError(f"policy {policy.name} reads the locality index: give --redis_url")
         self.pool = pool
         self.policy = policy
         self.redis_url = redis_url
         self.forward_timeout_s = forward_timeout_s
+        # every attempt of one request together, failovers included (default: one forward's timeout)
+        self.request_deadline_s = forward_timeout_s if request_deadline_s is None else request_deadline_s
         self._connections = {n.address: NodeConnections(*_host_port(n.address)) for n in pool.nodes}
         self.probe_interval_s = probe_interval_s
         self.registry = Registry()
         self.metrics = RouterMetrics(self.registry, pool)
+        # read from the mirror, which counts them itself (a gauge of a count that only grows)
+        self.registry.gauge_callback(
+            "hstu_router_index_malformed_messages", "Locality index change messages no node could have written.",
+            lambda: self._mirror.malformed_messages if self._mirror is not None else 0)
         self._session: aiohttp.ClientSession | None = None
         self._redis: aioredis.Redis | None = None
         self._index: LocalityIndexReader | None = None
@@ -112,24 +122,31 @@ class Router:
             if not live:
                 reason = "no node is up" if not tried else f"every node failed ({', '.join(sorted(tried))})"
                 return self._answer_error(RequestError(503, "no_node_available", reason))
+            remaining = self.request_deadline_s - (time.perf_counter() - arrived)
+            if remaining <= 0:
+                message = f"no node answered within {self.request_deadline_s:g} s (tried {', '.join(sorted(tried))})"
+                return self._answer_error(RequestError(504, "deadline_exceeded", message))
             node, _ = await self._choose(query.user_id, live)
-            tried.add(node.node_id)
+            tried.add(node.node_id)  # never the same node twice for one visit: it may have scored it
             sent = time.perf_counter()
-            node.in_flight += 1
             try:
-                status, payload = await self._connections[node.address].post("/score", body, self.forward_timeout_s)
+                async with self.pool.forwarding(node) as forward:
+                    status, payload = await self._connections[node.address].post(
+                        "/score", body, min(self.forward_timeout_s, remaining))
             except ForwardError as err:
                 self.pool.mark_down(node, f"forward failed: {err}")
                 self._connections[node.address].close()
                 self.metrics.failovers.inc(node=node.address)
                 continue
-            finally:
-                node.in_flight -= 1
+            if forward.abandoned:
+                self.metrics.abandoned.inc(node=node.address)
+                self.metrics.failovers.inc(node=node.address)
+                continue
             upstream = time.perf_counter() - sent
             code = _error_code(payload) if status == 503 else ""
             if code in RETRY_ELSEWHERE:
                 if code == "shutting_down":
-                    self.pool.mark_down(node, "shutting down")
+                    self.pool.mark_down(node, "shutting down", abandon=False)
                 else:
                     overloaded = (node, status, payload)
                 self.metrics.failovers.inc(node=node.address)
@@ -152,9 +169,11 @@ class Router:
 
     async def route(self, request: Request) -> Response:
         text = request.path_tail
-        if not text.isdigit():
-            return self._answer_error(RequestError(400, "invalid_field", f"user_id must be an integer, got {text!r}"),
-                                      count=False)
+        # str.isdigit alone accepts "²", which int() refuses
+        if not (text.isascii() and text.isdigit() and len(text) <= 19 and int(text) <= MAX_ID):
+            return self._answer_error(
+                RequestError(400, "invalid_field", f"user_id must be an integer in [0, 2**63), got {text[:40]!r}"),
+                count=False)
         live = self.pool.live()
         if not live:
             return Response.json({"node": None, "nodes": {}}, status=503)
@@ -243,8 +262,9 @@ def _error_code(payload: bytes) -> str:
         return ""
 
 
-async def run(router: Router, host: str, port: int, shutdown_timeout_s: float = 10.0) -> None:
-    server = HttpServer(router.routes(), max_body_bytes=1 << 20)
+async def run(router: Router, host: str, port: int, shutdown_timeout_s: float = 10.0,
+              limits: ServerLimits | None = None) -> None:
+    server = HttpServer(router.routes(), limits)
 
     async def start() -> None:
         await router.start()
@@ -271,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue_cost_tokens", type=float, default=64.0,
                    help="kv-aware: cached tokens one request in an eligible node's queue outweighs")
     p.add_argument("--forward_timeout_s", type=float, default=30.0)
+    p.add_argument("--request_deadline_s", type=float, default=None,
+                   help="a request's every attempt together, failovers included (default: --forward_timeout_s)")
+    p.add_argument("--max_connections", type=int, default=ServerLimits.max_connections,
+                   help="client connections held at once; beyond it 503 and close (keep under `ulimit -n`)")
+    p.add_argument("--header_timeout_s", type=float, default=ServerLimits.header_timeout_s)
+    p.add_argument("--body_timeout_s", type=float, default=ServerLimits.body_timeout_s)
+    p.add_argument("--keep_alive_timeout_s", type=float, default=ServerLimits.keep_alive_timeout_s)
     p.add_argument("--probe_interval_s", type=float, default=0.5)
     p.add_argument("--probe_timeout_s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=None, help="random policy seed")
@@ -287,10 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         pool = NodePool(parse_addresses(args.nodes), probe_timeout_s=args.probe_timeout_s)
         policy = make_policy(args.policy, seed=args.seed, queue_cost_tokens=args.queue_cost_tokens,
                              load_slack=args.load_slack)
-        router = Router(pool, policy, args.redis_url, args.forward_timeout_s, args.probe_interval_s)
+        router = Router(pool, policy, args.redis_url, args.forward_timeout_s, args.probe_interval_s,
+                        args.request_deadline_s)
+        limits = ServerLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout_s,
+                              body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s)
     except ValueError as err:
         parser.error(str(err))
-    asyncio.run(run(router, args.host, args.port))
+    asyncio.run(run(router, args.host, args.port, limits=limits))
     return 0
 
 

@@ -157,16 +157,31 @@ def check_write(
 ) -> int:
     """The number of pages of the written entry, once the write is valid against what the tier holds.
 
-    ValueError: no tokens, `first_page` outside the entry, or `first_page > 0` without an entry
-    `held` at the same start holding at least `first_page` pages (a gap: the caller's bookkeeping
-    is wrong).
+    ValueError: a bad range (`check_write_range`), or an incremental write that does not continue
+    `held` (a gap: in a private tier, the caller's bookkeeping is wrong).
     """
-    num_pages = layout.num_pages(length)
-    if length <= 0 or not 0 <= first_page < num_pages:
-        raise ValueError(f"User {user_id}: cannot write pages [{first_page}, {num_pages}) for {length} tokens.")
-    if first_page > 0 and (held is None or held.start_pos != start_pos or layout.num_pages(held.length) < first_page):
+    num_pages = check_write_range(layout, user_id, length, first_page)
+    if not continues(layout, start_pos, first_page, held):
         raise ValueError(
             f"User {user_id}: writing from page {first_page} at start {start_pos} would leave a gap; "
             f"the tier holds {held}."
         )
     return num_pages
+
+
+def check_write_range(layout: PageLayout, user_id: int, length: int, first_page: int) -> int:
+    """The number of pages of the written entry; ValueError for no tokens or `first_page` outside it."""
+    num_pages = layout.num_pages(length)
+    if length <= 0 or not 0 <= first_page < num_pages:
+        raise ValueError(f"User {user_id}: cannot write pages [{first_page}, {num_pages}) for {length} tokens.")
+    return num_pages
+
+
+def continues(layout: PageLayout, start_pos: int, first_page: int, held: HostEntry | None) -> bool:
+    """Whether a write from `first_page` at `start_pos` continues `held`: a whole write (page 0) always
+    does; an incremental one needs an entry at the same start holding at least `first_page` pages.
+    In a shared tier a write that does not is a race (another node dropped or replaced the entry
+    since this one read it), not a bug."""
+    if first_page == 0:
+        return True
+    return held is not None and held.start_pos == start_pos and layout.num_pages(held.length) >= first_page

@@ -40,7 +40,16 @@ import redis
 
 from ..config import PageLayout
 from ..page_data import blob_pages
-from .base import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill, TierDataError, check_write
+from .base import (
+    HostEntry,
+    HostKVStorage,
+    HostPages,
+    HostWriteResult,
+    PageFill,
+    TierDataError,
+    check_write_range,
+    continues,
+)
 from .page_codec import StagingPages, byte_rows, page_crcs
 
 PENDING_PAGE_MS = 300_000  # uploaded pages not yet committed expire after this (a crashed writer's)
@@ -329,7 +338,8 @@ class RedisHostStorage(HostKVStorage):
         """Upload pages `[first_page, n)` under a fresh version, then commit them with one script.
 
         Not stored (`stored=False`, nothing changed): the user alone exceeds the capacity, or does
-        not fit beside `protect`, or another writer replaced the entry this write continues.
+        not fit beside `protect`, or another writer replaced or dropped the entry this write
+        continues (before or during the upload; `write_conflicts` counts both).
         """
         layout = self.layout
         pipe = self._redis.pipeline(transaction=False)
@@ -338,7 +348,10 @@ class RedisHostStorage(HostKVStorage):
         with self._own_keys(user_id):
             (start, held_length, base), version = pipe.execute()
         held = None if start is None else HostEntry(int(start), int(held_length))
-        num_pages = check_write(layout, user_id, start_pos, length, first_page, held)
+        num_pages = check_write_range(layout, user_id, length, first_page)
+        if not continues(layout, start_pos, first_page, held):  # another node dropped or replaced it since
+            self.write_conflicts += 1
+            return HostWriteResult(False, ())
         if num_pages * layout.page_nbytes > self._capacity:
             return HostWriteResult(False, ())
         dst = self._staging.take(layout, num_pages - first_page)

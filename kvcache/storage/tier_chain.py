@@ -19,7 +19,16 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from ..config import KVCacheConfig, PageLayout
-from .base import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill, check_write, sum_counters
+from .base import (
+    HostEntry,
+    HostKVStorage,
+    HostPages,
+    HostWriteResult,
+    PageFill,
+    check_write_range,
+    continues,
+    sum_counters,
+)
 from .memory_tier import InMemoryHostStorage
 
 
@@ -90,7 +99,11 @@ class TieredHostStorage(HostKVStorage):
         entries = self._infos(user_id)
         order = _preference(entries)
         base = entries[order[0]] if order else None  # the entry an incremental write continues
-        check_write(self.layout, user_id, start_pos, length, first_page, base)
+        check_write_range(self.layout, user_id, length, first_page)
+        if not continues(self.layout, start_pos, first_page, base):
+            # the caller read an entry a tier has lost since (another node dropped it, a TTL): this
+            # user's write is not stored, and the caller's next offload writes it whole
+            return HostWriteResult(False, ())
         direct = [i for i, e in enumerate(entries) if e == base] if first_page else list(range(len(self.tiers)))
         behind = [i for i in range(len(self.tiers)) if i not in direct]
 

@@ -6,8 +6,10 @@ import http.client
 import json
 
 import pytest
+from raw_http import read_answer, request_bytes, run_server
 
-from serve.http_server import HttpServer, Request, Response, Routes
+from serve.http_routes import Request, Response, Routes
+from serve.http_server import HttpServer
 
 
 async def _echo(request: Request) -> Response:
@@ -34,45 +36,23 @@ def _routes(slow: asyncio.Event | None = None) -> Routes:
     return routes
 
 
-async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ")[1])
-    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-    body = await asyncio.wait_for(reader.readexactly(int(headers.get("content-length", "0"))), 5)
-    return status, headers, body
-
-
-def _request(method: str, path: str, body: bytes = b"", extra: str = "") -> bytes:
-    return (f"{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}\r\n{extra}\r\n").encode() + body
-
-
-def run(coro_fn, routes: Routes | None = None, **server_kwargs):
-    async def main():
-        server = HttpServer(routes or _routes(), **server_kwargs)
-        await server.start("127.0.0.1", 0)
-        try:
-            return await coro_fn(server)
-        finally:
-            await server.stop(timeout_s=2.0)
-    return asyncio.run(main())
 
 
 def test_keep_alive_and_pipelined_requests_are_answered_in_order():
     async def scenario(server):
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(_request("POST", "/echo", b'{"a": 1}'))
-        first = await _read_answer(reader)
+        writer.write(request_bytes("POST", "/echo", b'{"a": 1}'))
+        first = await read_answer(reader)
         # two requests in one write, the second split across the next write
-        both = _request("POST", "/echo?x=1", b"one") + _request("POST", "/echo", b"second-body")
+        both = request_bytes("POST", "/echo?x=1", b"one") + request_bytes("POST", "/echo", b"second-body")
         writer.write(both[:-4])
         await asyncio.sleep(0.05)
         writer.write(both[-4:])
-        second, third = await _read_answer(reader), await _read_answer(reader)
+        second, third = await read_answer(reader), await read_answer(reader)
         writer.close()
         return first, second, third
 
-    first, second, third = run(scenario)
+    first, second, third = run_server(scenario, _routes())
     assert [a[0] for a in (first, second, third)] == [200, 200, 200]
     assert json.loads(first[2])["body"] == '{"a": 1}'
     assert json.loads(second[2]) == {"method": "POST", "path": "/echo", "body": "one", "tail": "", "expect": ""}
@@ -83,15 +63,15 @@ def test_keep_alive_and_pipelined_requests_are_answered_in_order():
 def test_expect_100_continue_is_honoured():
     async def scenario(server):
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(_request("POST", "/echo", extra="Expect: 100-continue\r\n").replace(
+        writer.write(request_bytes("POST", "/echo", extra="Expect: 100-continue\r\n").replace(
             b"Content-Length: 0", b"Content-Length: 5"))
         interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         writer.write(b"hello")
-        answer = await _read_answer(reader)
+        answer = await read_answer(reader)
         writer.close()
         return interim, answer
 
-    interim, (status, _, body) = run(scenario)
+    interim, (status, _, body) = run_server(scenario, _routes())
     assert interim.startswith(b"HTTP/1.1 100 Continue")
     assert status == 200 and json.loads(body)["body"] == "hello"
 
@@ -99,7 +79,7 @@ def test_expect_100_continue_is_honoured():
 @pytest.mark.parametrize("raw, status, code", [
     (b"NONSENSE\r\n\r\n", 400, "bad_request_line"),
     (b"GET /echo HTTP/2.0\r\n\r\n", 505, "http_version_not_supported"),
-    (b"GET /echo HTTP/1.1\r\nno colon here\r\n\r\n", 400, "bad_header"),
+    (b"GET /echo HTTP/1.1\r\nHost: t\r\nno colon here\r\n\r\n", 400, "bad_header"),
     (b"POST /echo HTTP/1.1\r\nContent-Length: ten\r\n\r\n", 400, "bad_header"),
     (b"POST /echo HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", 400, "bad_header"),
     (b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", 501,
@@ -111,12 +91,12 @@ def test_malformed_requests_get_a_named_error_and_the_connection_closes(raw, sta
     async def scenario(server):
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(raw)
-        answer = await _read_answer(reader)
+        answer = await read_answer(reader)
         rest = await asyncio.wait_for(reader.read(), 5)  # b"" once the server closed
         writer.close()
         return answer, rest
 
-    (got, headers, body), rest = run(scenario, max_body_bytes=1000, max_head_bytes=4096)
+    (got, headers, body), rest = run_server(scenario, _routes(), max_body_bytes=1000, max_head_bytes=4096)
     assert got == status and json.loads(body)["error"]["code"] == code
     assert headers["connection"] == "close" and rest == b""
 
@@ -127,12 +107,12 @@ def test_routes_404_405_prefix_and_a_failing_handler_keeps_the_connection():
         answers = []
         for method, path in (("GET", "/nowhere"), ("DELETE", "/echo"), ("GET", "/item/42"), ("GET", "/item/"),
                              ("GET", "/boom"), ("GET", "/echo")):
-            writer.write(_request(method, path))
-            answers.append(await _read_answer(reader))
+            writer.write(request_bytes(method, path))
+            answers.append(await read_answer(reader))
         writer.close()
         return answers
 
-    missing, wrong_method, prefixed, bare_prefix, boom, after = run(scenario)
+    missing, wrong_method, prefixed, bare_prefix, boom, after = run_server(scenario, _routes())
     assert missing[0] == 404 and json.loads(missing[2])["error"]["code"] == "not_found"
     assert wrong_method[0] == 405 and wrong_method[1]["allow"] == "GET, POST"
     assert prefixed[0] == 200 and json.loads(prefixed[2])["tail"] == "42"
@@ -145,7 +125,7 @@ def test_http10_closes_unless_keep_alive_and_http_client_interoperates():
     async def scenario(server):
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(b"GET /echo HTTP/1.0\r\n\r\n")
-        answer = await _read_answer(reader)
+        answer = await read_answer(reader)
         rest = await asyncio.wait_for(reader.read(), 5)
         writer.close()
 
@@ -160,7 +140,7 @@ def test_http10_closes_unless_keep_alive_and_http_client_interoperates():
             return out
         return answer, rest, await asyncio.to_thread(with_http_client)
 
-    (status, headers, _), rest, via_client = run(scenario)
+    (status, headers, _), rest, via_client = run_server(scenario, _routes())
     assert status == 200 and headers["connection"] == "close" and rest == b""
     assert via_client == [(200, "x"), (200, "y" * 3000)]
 
@@ -174,15 +154,15 @@ def test_stop_lets_the_request_in_hand_finish_then_closes():
         port = server.port
         busy_reader, busy_writer = await asyncio.open_connection("127.0.0.1", server.port)
         idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", server.port)
-        busy_writer.write(_request("GET", "/slow"))
-        idle_writer.write(_request("GET", "/echo"))
-        await _read_answer(idle_reader)
+        busy_writer.write(request_bytes("GET", "/slow"))
+        idle_writer.write(request_bytes("GET", "/echo"))
+        await read_answer(idle_reader)
         await asyncio.sleep(0.05)
         stopping = asyncio.ensure_future(server.stop(timeout_s=5.0))
         idle_rest = await asyncio.wait_for(idle_reader.read(), 5)  # the idle connection closes at once
         assert not stopping.done()
         slow.set()
-        answer = await _read_answer(busy_reader)
+        answer = await read_answer(busy_reader)
         await asyncio.wait_for(stopping, 5)
         busy_rest = await asyncio.wait_for(busy_reader.read(), 5)
         refused = None

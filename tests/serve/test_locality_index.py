@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import redis
@@ -12,7 +13,16 @@ from kvcache import CacheEvent, CacheLocation
 from serve.index_mirror import IndexMirror
 from serve.index_publisher import IndexPublisher
 from serve.launch import wait_until
-from serve.locality_index import DEVICE, HOST, Holding, LocalityIndexReader, LocalityIndexWriter, decode, encode
+from serve.locality_index import (
+    DEVICE,
+    HOST,
+    Holding,
+    IndexKeys,
+    LocalityIndexReader,
+    LocalityIndexWriter,
+    decode,
+    encode,
+)
 
 
 def lookup(url: str, namespace: str, user: int, nodes: list[str]) -> dict[str, Holding]:
@@ -24,6 +34,28 @@ def lookup(url: str, namespace: str, user: int, nodes: list[str]) -> dict[str, H
             await client.aclose()
 
     return asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def _following(url: str, namespace: str):
+    """-> (an IndexMirror following the index, its task, its client), stopped on exit."""
+    aio = aioredis.Redis.from_url(url)
+    mirror = IndexMirror(aio, namespace, check_interval_s=0.05)
+    task = asyncio.ensure_future(mirror.run())
+    try:
+        yield mirror, task, aio
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await aio.aclose()
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> bool:
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return False
 
 
 def test_encoding_round_trips_and_refuses_junk():
@@ -109,34 +141,48 @@ def test_the_routers_mirror_follows_changes_resets_and_dead_nodes(redis_server):
     mortal = LocalityIndexWriter(client, namespace, "mortal", ttl_ms=500)
 
     async def main():
-        aio = aioredis.Redis.from_url(redis_server)
-        mirror = IndexMirror(aio, namespace, check_interval_s=0.05)
-        task = asyncio.ensure_future(mirror.run())
-
-        async def until(predicate):
-            for _ in range(200):
-                if predicate():
-                    return True
-                await asyncio.sleep(0.02)
-            return False
-
-        try:
-            assert await until(lambda: mirror.synced)
+        async with _following(redis_server, namespace) as (mirror, _, _):
+            assert await _until(lambda: mirror.synced)
             assert mirror.holdings(1, ["early", "mortal"]) == {"early": Holding(DEVICE, 0, 10)}
             early.publish({1: Holding(HOST, 0, 10), 2: Holding(DEVICE, 4, 20)})
             mortal.heartbeat({})
             mortal.publish({2: Holding(DEVICE, 4, 30)})
-            assert await until(lambda: mirror.holdings(2, ["early", "mortal"]) ==
+            assert await _until(lambda: mirror.holdings(2, ["early", "mortal"]) ==
                                {"early": Holding(DEVICE, 4, 20), "mortal": Holding(DEVICE, 4, 30)})
             assert mirror.holdings(1, ["early"]) == {"early": Holding(HOST, 0, 10)}
             early.replace({3: Holding(DEVICE, 0, 5)})  # a restarted node: the mirror reloads it
-            assert await until(lambda: mirror.holdings(1, ["early"]) == {} and mirror.holdings(3, ["early"]) != {})
+            assert await _until(lambda: mirror.holdings(1, ["early"]) == {} and mirror.holdings(3, ["early"]) != {})
             # mortal stops beating: the mirror forgets it when its heartbeat key expires.
-            assert await until(lambda: mirror.holdings(2, ["early", "mortal"]) == {})
+            assert await _until(lambda: mirror.holdings(2, ["early", "mortal"]) == {})
             assert mirror.messages >= 3 and mirror.resyncs == 1
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await aio.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_the_mirror_survives_malformed_messages_and_values_read_as_nobody_holds_it(redis_server):
+    """Redis is shared: a message no node wrote is logged, counted and resynced from; a value no node
+    wrote is no holding, in the mirror and in a direct lookup (issue 21: the mirror died for good)."""
+    namespace = unique_namespace("malformed")
+    client = redis.Redis.from_url(redis_server)
+    node = LocalityIndexWriter(client, namespace, "n", ttl_ms=60_000)
+    node.heartbeat({})
+    node.publish({1: Holding(DEVICE, 0, 10)})
+    keys = IndexKeys(namespace)
+
+    async def main():
+        async with _following(redis_server, namespace) as (mirror, task, aio):
+            assert await _until(lambda: mirror.synced)
+            client.hset(keys.users("n"), mapping={"2": b"\xff\xfe", "3": "device:\xb2:1"})  # a bad value, unannounced
+            for junk in ("[1,2]", "not json", '{"node": 7}', '{"node": "n", "set": {"x": "device:0:1"}}',
+                         '{"node": "n", "drop": [null]}'):
+                client.publish(keys.changes, junk)
+            assert await _until(lambda: mirror.malformed_messages == 5)
+            node.publish({4: Holding(HOST, 0, 3)})  # the mirror still follows
+            assert await _until(lambda: mirror.holdings(4, ["n"]) == {"n": Holding(HOST, 0, 3)})
+            assert mirror.synced and mirror.resyncs >= 2 and not task.done()
+            assert mirror.holdings(1, ["n"]) == {"n": Holding(DEVICE, 0, 10)}
+            assert mirror.holdings(2, ["n"]) == {} and mirror.holdings(3, ["n"]) == {}
+            direct = LocalityIndexReader(aio, namespace)
+            assert await direct.lookup(2, ["n"]) == {} and await direct.lookup(3, ["n"]) == {}
 
     asyncio.run(asyncio.wait_for(main(), 30))

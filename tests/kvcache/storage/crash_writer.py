@@ -16,6 +16,8 @@ from kvcache import KVCacheConfig, KVCacheManager
 from kvcache.storage import disk_tier
 from kvcache.testing import append_batch, new_token_kv, token_kv
 
+WARMUP_USER = 1000  # never one of the test's users (0-11); rolled back, so nothing of it is written
+
 
 def die_in_commit(after: int) -> None:
     """SIGKILL this process in the middle of the `after`-th index commit: the new pages are on disk,
@@ -39,7 +41,7 @@ def main(directory: str) -> None:
     layout = cfg.page_layout
     rng = random.Random()
     with KVCacheManager(cfg) as mgr:
-        meta = mgr.prepare_kv_cache([-1], [0], [1])  # warm up torch's op dispatch (seconds, once)
+        meta = mgr.prepare_kv_cache([WARMUP_USER], [0], [1])  # warm up torch's op dispatch (seconds, once)
         append_batch(mgr, meta, new_token_kv(layout, meta, [0], lambda u, p: token_kv(layout, u, p)))
         mgr.rollback(meta)
         ready = False
