@@ -7,9 +7,10 @@ window with the same pure function of the history end, so they attend over ident
 tokens and their logits agree to round-off.
 
 The session owns the cache transaction; the model only computes through the `PagedKV` it is
-handed. Each prepare states what the session planned against (`expected_cached_lengths`), so a
-cache changed by another caller in between is refused and the visit re-planned, never served
-with a silently restarted window.
+handed. Each prepare states the cache versions the session planned against (`expected_versions`:
+range, tag and commit generation), so a cache changed by another caller in between, even to other
+tokens of the same length, is refused and the visit re-planned, never served with a silently
+restarted or rewritten window.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 
 from data.batch import VisitBatch
 from data.dataset import InferenceDataset
-from kvcache import KVCacheManager, KVCacheStaleError
+from kvcache import CacheVersion, KVCacheManager, KVCacheStaleError
 from model.cache_tag import window_tags
 from model.checkpoint import model_fingerprint as fingerprint_of
 from model.cuda_graphs import CUDAGraphs
@@ -227,14 +228,14 @@ def serve_through_cache(
     layout, users = model.layout, user_ids.tolist()
     forward = forward or model
     for attempt in range(1, MAX_PLAN_ATTEMPTS + 1):
-        plan, mismatches = _plan(layout, cache, user_ids, ends, tags)
+        plan, mismatches, versions = _plan(layout, cache, user_ids, ends, tags)
         batch = make_batch(plan.starts, plan.window_starts)
         spans = layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
         try:
             meta = cache.prepare_kv_cache(
                 users, spans.start_pos, spans.history_lengths,
                 tags=None if tags is None else tags(user_ids, plan.window_starts, ends),
-                expected_cached_lengths=spans.expected_cached_lengths,
+                expected_versions=versions,
             )
         except KVCacheStaleError as err:
             if attempt == MAX_PLAN_ATTEMPTS:
@@ -254,24 +255,30 @@ def serve_through_cache(
     raise AssertionError("unreachable")
 
 
-def _plan(layout, cache: KVCacheManager, user_ids: np.ndarray, ends: np.ndarray, tags: TagFn | None):
+def _plan(layout, cache: KVCacheManager, user_ids: np.ndarray, ends: np.ndarray, tags: TagFn | None
+          ) -> tuple[VisitPlan, int, list[CacheVersion]]:
     """What each visit computes: the events after what the cache holds for this window, when the
     cached data is exactly this window's first tokens (and carries the tag of their events);
-    otherwise the cached data is dropped and the window computed from its start."""
-    cached_start, cached_len = cache.get_user_kvdata_info(user_ids.tolist())
-    plan = layout.plan(ends, cached_start.numpy(), cached_len.numpy())
+    otherwise the cached data is dropped and the window computed from its start. Also the cache
+    versions the plan stands on, for the prepare to check (a same-length rewrite included)."""
+    versions = cache.get_user_versions(user_ids.tolist())
+    cached_start = np.array([v.start_pos for v in versions], dtype=np.int64)
+    cached_len = np.array([v.length for v in versions], dtype=np.int64)
+    plan = layout.plan(ends, cached_start, cached_len)
     drop = plan.invalidate.copy()
     reusing = np.flatnonzero(plan.starts > plan.window_starts)
     mismatches = 0
     if tags is not None and len(reusing):
-        stored = cache.get_user_tags(user_ids[reusing].tolist())
         expected = tags(user_ids[reusing], plan.window_starts[reusing], plan.starts[reusing])
-        stale = reusing[[s != e for s, e in zip(stored, expected)]]
+        stale = reusing[[versions[i].tag != e for i, e in zip(reusing, expected)]]
         if len(stale):
             mismatches = len(stale)
             log.warning("recomputing %d user(s) whose cached K/V do not match their history", mismatches)
             drop[stale] = True
     if drop.any():
-        cache.invalidate_kv_cache(user_ids[drop].tolist())
+        dropped = np.flatnonzero(drop)
+        cache.invalidate_kv_cache(user_ids[dropped].tolist())
+        for i, version in zip(dropped, cache.get_user_versions(user_ids[dropped].tolist())):
+            versions[i] = version
         plan = VisitPlan(plan.window_starts, np.where(drop, plan.window_starts, plan.starts), invalidate=drop)
-    return plan, mismatches
+    return plan, mismatches, versions

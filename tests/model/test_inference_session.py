@@ -11,6 +11,7 @@ import torch
 
 from data.dataset import InferenceDataset
 from helpers import assert_logits_close, build_processed, make_cache, sensitive_model
+from kvcache.testing import append_batch, new_token_kv, token_kv
 from model.inference import InferenceSession
 from model.train import config_for_dataset
 
@@ -106,6 +107,35 @@ def test_data_lost_between_plan_and_prepare_is_replanned(setup, monkeypatch):
         return prepare(*args, **kwargs)
 
     monkeypatch.setattr(cache, "prepare_kv_cache", losing_prepare)
+    result = session.serve(np.array([second]))
+    assert len(calls) == 2
+    assert_logits_close(result.logits, InferenceSession(model, dataset).serve(np.array([second])).logits)
+
+
+def test_same_length_rewrite_between_plan_and_prepare_is_replanned(setup, monkeypatch):
+    """Another caller replaces the user's cached tokens by others of the same range after our plan:
+    lengths still agree, the commit generation does not; the visit is re-planned, the foreign tokens
+    fail their tag and the window is recomputed."""
+    dataset, cfg, model = setup
+    user, first, second = user_with_two_visits(dataset)
+    cache = make_cache(cfg, num_pages=256)
+    session = InferenceSession(model, dataset, kv_cache=cache)
+    session.serve(np.array([first]))
+    prepare = cache.prepare_kv_cache
+    calls = []
+
+    def rewriting_prepare(*args, **kwargs):
+        if not calls:
+            (start,), (length,) = (t.tolist() for t in cache.get_user_kvdata_info([user]))
+            cache.invalidate_kv_cache([user])
+            meta = prepare([user], [start], [length])
+            layout = cache.config.page_layout
+            append_batch(cache, meta, new_token_kv(layout, meta, [start], lambda u, pos: token_kv(layout, u, pos, 7)))
+            cache.commit(meta)
+        calls.append(1)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(cache, "prepare_kv_cache", rewriting_prepare)
     result = session.serve(np.array([second]))
     assert len(calls) == 2
     assert_logits_close(result.logits, InferenceSession(model, dataset).serve(np.array([second])).logits)
