@@ -45,13 +45,16 @@ def blocked_hstu_attention(
     _, H, D = q.shape
     acc_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
     query_block, key_block = schedule["block_rows"].shape[1], schedule["key_rows"].shape[1]
-    q_padded = torch.cat([q, q.new_zeros(1, H, D)])  # row T: what padding query slots read
+    # α is applied to the queries, [T, H, D], rather than to every [QB, KB] score tile (4x the elements at D = 128).
+    q_padded = torch.cat([q * alpha, q.new_zeros(1, H, D)])  # row T: what padding query slots read
     q_blocks = q_padded.index_select(0, schedule["block_rows"].reshape(-1)).view(num_blocks, query_block, H, D)
     q_blocks = q_blocks.transpose(1, 2)  # [Q, H, QB, D]
     block_out = torch.zeros(num_blocks, H, query_block, D, dtype=acc_dtype, device=q.device)
     pairs_per_chunk = max(1, MAX_SCORE_ELEMENTS // (H * query_block * key_block))
     grad = torch.is_grad_enabled()
-    table = bias.pair_table().to(q.dtype) if bias is not None else None  # [P * (T + 1), H]
+    # [H, P * (T + 1)]: gathering along dim 1 gives each head's [QB, KB] tile contiguous, so the
+    # add into the [p, H, QB, KB] scores runs over whole tiles (the [pairs, H] layout made it strided).
+    table = bias.pair_table().t().contiguous().to(q.dtype) if bias is not None else None
     for first in range(0, num_pairs, pairs_per_chunk):
         chunk = slice(first, first + pairs_per_chunk)
         blocks = schedule["pair_blocks"][chunk]  # [p]
@@ -59,11 +62,11 @@ def blocked_hstu_attention(
         p = len(key_rows) // key_block
         k_pairs = keys.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype).permute(0, 2, 3, 1)  # [p, H, D, KB]
         v_pairs = values.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype).transpose(1, 2)  # [p, H, KB, D]
-        scores = torch.matmul(q_blocks.index_select(0, blocks), k_pairs) * alpha  # [p, H, QB, KB]
+        scores = torch.matmul(q_blocks.index_select(0, blocks), k_pairs)  # [p, H, QB, KB], α included
         if table is not None:
             index = _pair_index(bias, bias_inputs, schedule, schedule_name, chunk, blocks, key_rows)  # [p, QB, KB]
-            pair_bias = table.index_select(0, index.view(-1)).view(p, query_block, key_block, H)
-            scores = scores + pair_bias.permute(0, 3, 1, 2)
+            pair_bias = table.index_select(1, index.view(-1)).view(H, p, query_block, key_block).transpose(0, 1)
+            scores = scores + pair_bias if grad else scores.add_(pair_bias)
         scores = F.silu(scores, inplace=not grad)
         key_end = schedule["block_key_end"].index_select(0, blocks)  # [p, QB]
         hidden = (schedule["key_positions"][chunk][:, None, :] >= key_end[:, :, None])[:, None]  # [p, 1, QB, KB]

@@ -85,6 +85,31 @@ def recency_prior(num_heads: int, num_buckets: int) -> Tensor:
     return (RECENCY_PRIOR_LOGITS * prior).float()
 
 
+_DISTANCE_BUCKETS: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _distance_buckets(num_buckets: int, device: torch.device) -> Tensor:
+    """[d_last + 1] int32: `log_bucket` of every position distance up to the last bucket's start d_last
+    (every longer distance shares its bucket), built once per device."""
+    key = (num_buckets, torch.device(device))
+    if key not in _DISTANCE_BUCKETS:
+        last = int(bucket_start(POSITION_SUBDIVISION, num_buckets)[-1])
+        buckets = log_bucket(torch.arange(last + 1), POSITION_SUBDIVISION, num_buckets)
+        _DISTANCE_BUCKETS[key] = buckets.to(device=device, dtype=torch.int32)
+    return _DISTANCE_BUCKETS[key]
+
+
+def _time_bucket_int32(query_times: Tensor, key_times: Tensor, num_buckets: int) -> Tensor:
+    """`time_bucket` as int32: the seconds are capped before they are narrowed, as `log_bucket` caps them."""
+    seconds = torch.div((query_times - key_times).clamp_(min=0), MS_PER_SECOND, rounding_mode="floor")
+    seconds = seconds.clamp_(max=EXACT_FLOAT_LIMIT).to(torch.int32)
+    exact = 1 << TIME_SUBDIVISION
+    bits = seconds.to(torch.float32).view(torch.int32) >> (23 - TIME_SUBDIVISION)
+    bucket = torch.where(seconds < exact, seconds, bits - ((126 + TIME_SUBDIVISION) << TIME_SUBDIVISION))
+    bucket = bucket.clamp_(max=num_buckets - 1)
+    return torch.where((query_times < 0) | (key_times < 0), num_buckets, bucket)
+
+
 @dataclass
 class BiasInputs:
     """The times a batch's relative bias reads on the device, shared by every layer of one forward."""
@@ -116,14 +141,22 @@ class RelativeAttentionBias(nn.Module):
 
     def pair_index(self, query_positions: Tensor, key_positions: Tensor, query_times: Tensor, key_times: Tensor
                    ) -> Tensor:
-        """Broadcastable int64 positions and times -> int32 rows of `pair_table()` (position bucket x time bucket)."""
-        index = torch.zeros((), dtype=torch.int64, device=query_positions.device)
+        """Broadcastable int64 positions and times -> int32 rows of `pair_table()` (position bucket x time bucket).
+
+        The same buckets as `log_bucket` and `time_bucket`, computed for speed (this runs over every
+        pair a forward attends): positions through a table of every distance's bucket, and both in
+        int32 wherever the values fit (tested equal to the definitions).
+        """
+        device = query_positions.device
+        index = torch.zeros((), dtype=torch.int32, device=device)
         if self.num_position_buckets:
-            index = log_bucket(query_positions - key_positions, POSITION_SUBDIVISION, self.num_position_buckets)
-            index = index * self.num_time_rows
+            buckets = _distance_buckets(self.num_position_buckets, device)
+            distance = query_positions.to(torch.int32) - key_positions.to(torch.int32)
+            distance = distance.clamp_(0, len(buckets) - 1)
+            index = buckets.index_select(0, distance.reshape(-1)).view(distance.shape) * self.num_time_rows
         if self.num_time_buckets:
-            index = index + time_bucket(query_times, key_times, self.num_time_buckets)
-        return index.to(torch.int32)
+            index = index + _time_bucket_int32(query_times, key_times, self.num_time_buckets)
+        return index
 
     def pair_table(self) -> Tensor:
         """[P * (T + 1), H]: the bias of every (position bucket, time bucket) pair, per head."""

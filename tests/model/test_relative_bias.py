@@ -148,3 +148,24 @@ def test_recency_prior_favours_each_heads_horizon():
     layer = RelativeAttentionBias(4, 81, 10)
     torch.testing.assert_close(layer.position.data, prior)
     assert not layer.time.any()
+
+
+@pytest.mark.parametrize("buckets", [(81, 92), (176, 0), (0, 92), (5, 3)])
+def test_pair_index_is_the_definitions_buckets(buckets):
+    """pair_index's fast path (a table of distance buckets, int32 arithmetic) equals log_bucket and
+    time_bucket everywhere: short and capped distances, negative (masked) ones, missing times."""
+    rng = np.random.default_rng(0)
+    bias = RelativeAttentionBias(2, *buckets)
+    query_positions = torch.from_numpy(rng.integers(0, 20_000, (3, 64, 1)))
+    key_positions = torch.from_numpy(rng.integers(0, 20_000, (3, 1, 80)))
+    query_times = torch.from_numpy(rng.integers(0, 2**41, (3, 64, 1)))
+    key_times = query_times.min() - torch.from_numpy(rng.integers(-10**6, 2**40, (3, 1, 80)))
+    query_times[0, :4], key_times[1, 0, :4] = NO_TIME, NO_TIME
+    want = torch.zeros((), dtype=torch.int64)
+    if buckets[0]:
+        want = log_bucket(query_positions - key_positions, POSITION_SUBDIVISION, buckets[0]) * bias.num_time_rows
+    if buckets[1]:
+        want = want + time_bucket(query_times, key_times, buckets[1])
+    got = bias.pair_index(query_positions, key_positions, query_times, key_times)
+    assert got.dtype == torch.int32
+    assert torch.equal(got.long(), want.expand_as(got))
