@@ -83,7 +83,7 @@ class ScoreClient:
                         raise RuntimeError(f"{self.urls[index]} answered request {answer.get('request_id')!r} "
                                            f"to request {request['request_id']!r}")
                     return ClientAnswer(answer, self.urls[index], attempt)
-                error = answer.get("error", {}) if isinstance(answer, dict) else {}
+                error = answer.get("error") if isinstance(answer.get("error"), dict) else {}
                 if status != 503:
                     raise RequestError(status, str(error.get("code", "")), str(error.get("message", answer)))
                 failures.append(f"{self.urls[index]}: 503 {error.get('code')}")
@@ -104,9 +104,12 @@ class ScoreClient:
         finally:
             conn.close()
         try:
-            return response.status, json.loads(raw)
+            answer = json.loads(raw)
         except ValueError:
-            return response.status, {"error": {"code": "", "message": raw[:200].decode(errors="replace")}}
+            answer = None
+        if not isinstance(answer, dict):  # not the API's answer (a proxy's error page): show its start
+            answer = {"error": {"code": "", "message": raw[:200].decode(errors="replace")}}
+        return response.status, answer
 
 
 def _host_port(url: str) -> tuple[str, int]:
