@@ -25,11 +25,11 @@ TRAIN_SECONDS ?= 150
 venv: $(STAMP)
 
 # A venv holds one set: a missing stamp for this DEVICE (first run, another set, changed pins) rebuilds it.
-$(STAMP): constraints.txt requirements.txt requirements-$(DEVICE).txt requirements-torchrec.txt setup.py
+$(STAMP): constraints.txt requirements.txt requirements-$(DEVICE).txt requirements-torchrec.txt requirements-dev.txt setup.py
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP) -r requirements.txt -r requirements-$(DEVICE).txt
+	$(PIP) -r requirements.txt -r requirements-$(DEVICE).txt -r requirements-dev.txt
 	$(PIP) --no-deps -r requirements-torchrec.txt
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@

@@ -10,13 +10,12 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
-TEST_ONLY = {"pytest", "hypothesis", "ruff"}
 
 
 def _names(requirements_file: str) -> list[str]:
     lines = (HERE / requirements_file).read_text().splitlines()
     names = [ln.split("#")[0].strip() for ln in lines]
-    return [n for n in names if n and n not in TEST_ONLY]
+    return [n for n in names if n]
 
 
 setup(
@@ -30,7 +29,7 @@ setup(
     extras_require={
         "cpu": _names("requirements-cpu.txt"),
         "cuda": _names("requirements-cuda.txt"),
-        "test": sorted(TEST_ONLY),
+        "test": _names("requirements-dev.txt"),
     },
     entry_points={"console_scripts": ["hstu-preprocess=preprocessor_inference:main"]},
 )

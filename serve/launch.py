@@ -1,16 +1,20 @@
-"""Start the processes of a local cluster on loopback: nodes and a router (the tests, the benchmark).
+"""Start the processes of a local cluster on loopback: nodes and routers (the tests, the benchmark).
 
     node = start_node(data_dir, checkpoint, log_dir, redis_url=redis.url)
-    router = start_router([node.address], "kv-aware", log_dir, redis_url=redis.url)
-    wait_healthy([node, router], timeout_s=120)
+    routers = start_routers(2, [node.address], "kv-aware", log_dir, redis_url=redis.url)
+    wait_healthy([node, *routers], timeout_s=120)
     ...
-    router.stop(); node.stop()      # SIGTERM, then SIGKILL after the timeout; node.kill() for a crash
+    routers[0].stop(); node.stop()  # SIGTERM, then SIGKILL after the timeout; node.kill() for a crash
+
+    python -m serve.launch --data_dir DIR --checkpoint DIR --nodes 2 --routers 2   # until Ctrl-C
 
 Each process logs to a file in `log_dir`; errors quote its tail. Redis comes from
-`kvcache.local_redis.LocalRedisServer`.
+`kvcache.local_redis.LocalRedisServer`. Routers keep no state of their own (their index mirror is
+rebuilt from Redis), so any number of them can front the same nodes.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -123,6 +127,14 @@ def start_router(nodes: Sequence[str], policy: str, log_dir: Path | str, redis_u
     return Service(f"router-{policy}-{port}", args, port, Path(log_dir) / f"router-{policy}-{port}.log", child_env())
 
 
+def start_routers(count: int, nodes: Sequence[str], policy: str, log_dir: Path | str, redis_url: str | None = None,
+                  extra_args: Sequence[str] = ()) -> list[Service]:
+    """`count` routers over the same nodes, each on a port of its own."""
+    if count < 1:
+        raise ValueError(f"start_routers needs count >= 1, got {count}")
+    return [start_router(nodes, policy, log_dir, redis_url, extra_args=extra_args) for _ in range(count)]
+
+
 def wait_healthy(services: Sequence[Service], timeout_s: float = 180.0) -> None:
     """Wait until every service answers /health with 200; RuntimeError (with its log) if one exits or
     the time runs out."""
@@ -148,3 +160,45 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
             return True
         time.sleep(interval_s)
     return bool(predicate())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A local cluster until Ctrl-C / SIGTERM: a private redis-server, `--nodes` nodes, `--routers` routers."""
+    from kvcache.local_redis import LocalRedisServer
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--data_dir", required=True)
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--routers", type=int, default=2)
+    p.add_argument("--policy", default="kv-aware")
+    p.add_argument("--workdir", default="artifacts/local_cluster", help="logs and Redis files")
+    args = p.parse_args(argv)
+    if args.nodes < 1 or args.routers < 1:
+        p.error(f"need --nodes >= 1 and --routers >= 1, got {args.nodes} and {args.routers}")
+    workdir = Path(args.workdir)
+    redis = LocalRedisServer(workdir / "redis").start()
+    services: list[Service] = []
+    try:
+        services += [start_node(args.data_dir, args.checkpoint, workdir / "logs", redis.url) for _ in range(args.nodes)]
+        nodes = [s.address for s in services]
+        services += start_routers(args.routers, nodes, args.policy, workdir / "logs", redis.url)
+        wait_healthy(services)
+        print(f"redis {redis.url}; nodes {', '.join(nodes)}; routers "
+              f"{', '.join(s.url for s in services[args.nodes:])}; logs in {workdir / 'logs'}", flush=True)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the cluster as Ctrl-C does
+        while all(s.alive() for s in services):
+            time.sleep(0.5)
+        ended = next(s for s in services if not s.alive())
+        print(f"{ended.name} exited with {ended.proc.returncode}:\n{ended.log_tail()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for service in reversed(services):  # routers first: nothing is sent to a node that is stopping
+            service.stop()
+        redis.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,169 +1,114 @@
-"""Prometheus text exposition (format 0.0.4) for the node and the router, without a client library.
+"""The node's and the router's Prometheus metrics, on prometheus-client.
 
     registry = Registry()
     requests = registry.counter("hstu_node_requests_total", "Score requests answered.", ("code",))
     requests.inc(code="200")
     latency = registry.histogram("hstu_node_request_seconds", "...", buckets=LATENCY_BUCKETS_S)
     registry.gauge_callback("hstu_node_queue_depth", "...", lambda: batcher.queue_depth)
-    text = registry.render()
+    text = registry.render()   # served with CONTENT_TYPE
 
-Metrics are updated from the event loop and from the compute thread: each holds a lock.
+Each `Registry` owns a `CollectorRegistry` of its own rather than prometheus-client's global
+one, so that several nodes or routers in one process (the tests) keep their series apart.
+Call sites pass label values as keywords (`inc(3, tier="host")`), one line per update; the
+metrics themselves are prometheus-client's, thread-safe for the event loop and the compute
+thread alike.
 """
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+import prometheus_client
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector, CollectorRegistry
+
+# The text format every Prometheus version scrapes; what `generate_latest` writes for our names.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 FINE_LATENCY_BUCKETS_S = (0.00005, 0.0001, 0.00015, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.002, 0.005,
                           0.01, 0.05)  # sub-millisecond work: the router's own time, index lookups
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
-LabelValues = tuple[str, ...]
+# A `*_created` timestamp series per counter and histogram doubles the scrape and no query here
+# uses it; the setting is process-wide in prometheus-client, and only serving processes import this.
+prometheus_client.disable_created_metrics()
 
 
-class _Metric:
-    kind = ""
+class Series:
+    """A prometheus-client counter or histogram updated as `inc(amount, **labels)` / `observe(value, **labels)`.
 
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help_text
-        self.labelnames = tuple(labelnames)
-        self._lock = threading.Lock()
+    Wrong or missing label names raise prometheus-client's ValueError, as does a negative increment.
+    """
 
-    def _key(self, labels: dict[str, object]) -> LabelValues:
-        if set(labels) != set(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {sorted(labels)}")
-        return tuple(str(labels[n]) for n in self.labelnames)
+    def __init__(self, metric: prometheus_client.Counter | prometheus_client.Histogram) -> None:
+        self.metric = metric
 
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-    def samples(self) -> Iterable[str]:
-        raise NotImplementedError
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labelnames)
-        self._values: dict[LabelValues, float] = {} if labelnames else {(): 0.0}
+    def _child(self, labels: dict[str, object]):
+        return self.metric.labels(**labels) if labels else self.metric
 
     def inc(self, amount: float = 1.0, **labels: object) -> None:
-        if amount < 0:
-            raise ValueError(f"{self.name}: a counter only goes up (got {amount})")
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
+        self._child(labels).inc(amount)
 
-    def samples(self) -> Iterable[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        for key, value in items:
-            yield f"{self.name}{_labels(self.labelnames, key)} {_number(value)}"
+    def observe(self, value: float, **labels: object) -> None:
+        self._child(labels).observe(value)
 
 
-class Gauge(_Metric):
-    """A value read at render time from `read()` (-> number, or {label values: number})."""
-
-    kind = "gauge"
+class CallbackGauge(Collector):
+    """A gauge read at scrape time from `read()`: a number, or {label values (tuple): number}."""
 
     def __init__(self, name: str, help_text: str, read: Callable[[], object], labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labelnames)
+        self.name = name
+        self.help = help_text
+        self.labelnames = list(labelnames)
         self._read = read
 
-    def samples(self) -> Iterable[str]:
+    def describe(self) -> list[GaugeMetricFamily]:
+        # Lets the registry refuse a duplicate name at registration without calling `read`.
+        return [GaugeMetricFamily(self.name, self.help, labels=self.labelnames)]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.name, self.help, labels=self.labelnames)
         value = self._read()
         items = sorted(value.items()) if isinstance(value, dict) else [((), value)]
         for key, number in items:
-            key = key if isinstance(key, tuple) else (key,)
-            yield f"{self.name}{_labels(self.labelnames, key)} {_number(number)}"
-
-
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float], labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labelnames)
-        if list(buckets) != sorted(buckets) or not buckets:
-            raise ValueError(f"{self.name}: buckets must be sorted and non-empty")
-        self.buckets = tuple(float(b) for b in buckets)
-        self._series: dict[LabelValues, list[float]] = {}  # per-bucket counts + [+Inf count, sum]
-
-    def observe(self, value: float, **labels: object) -> None:
-        key = self._key(labels)
-        with self._lock:
-            series = self._series.setdefault(key, [0.0] * (len(self.buckets) + 2))
-            for i, bound in enumerate(self.buckets):
-                if value <= bound:
-                    series[i] += 1
-            series[-2] += 1
-            series[-1] += value
-
-    def samples(self) -> Iterable[str]:
-        with self._lock:
-            items = sorted((k, list(v)) for k, v in self._series.items())
-        for key, series in items:
-            for bound, count in zip(self.buckets, series):
-                yield f"{self.name}_bucket{_labels(self.labelnames + ('le',), key + (_number(bound),))} {_number(count)}"
-            yield f"{self.name}_bucket{_labels(self.labelnames + ('le',), key + ('+Inf',))} {_number(series[-2])}"
-            yield f"{self.name}_count{_labels(self.labelnames, key)} {_number(series[-2])}"
-            yield f"{self.name}_sum{_labels(self.labelnames, key)} {_number(series[-1])}"
+            label_values = key if isinstance(key, tuple) else (key,)
+            family.add_metric([str(v) for v in label_values], float(number))
+        yield family
 
 
 class Registry:
+    """One process part's metrics (a node's, a router's) in a `CollectorRegistry` of its own."""
+
     def __init__(self) -> None:
-        self._metrics: dict[str, _Metric] = {}
+        self.collectors = CollectorRegistry()
 
-    def _add(self, metric: _Metric):
-        if metric.name in self._metrics:
-            raise ValueError(f"metric {metric.name} registered twice")
-        self._metrics[metric.name] = metric
-        return metric
+    def counter(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> Series:
+        return Series(prometheus_client.Counter(name, help_text, labelnames, registry=self.collectors))
 
-    def counter(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> Counter:
-        return self._add(Counter(name, help_text, labelnames))
+    def histogram(self, name: str, help_text: str, buckets: Sequence[float], labelnames: Sequence[str] = ()) -> Series:
+        return Series(prometheus_client.Histogram(name, help_text, labelnames, registry=self.collectors,
+                                                  buckets=buckets))
 
-    def histogram(self, name: str, help_text: str, buckets: Sequence[float], labelnames: Sequence[str] = ()) -> Histogram:
-        return self._add(Histogram(name, help_text, buckets, labelnames))
-
-    def gauge_callback(self, name: str, help_text: str, read: Callable[[], object], labelnames: Sequence[str] = ()) -> Gauge:
-        return self._add(Gauge(name, help_text, read, labelnames))
+    def gauge_callback(self, name: str, help_text: str, read: Callable[[], object],
+                       labelnames: Sequence[str] = ()) -> CallbackGauge:
+        gauge = CallbackGauge(name, help_text, read, labelnames)
+        self.collectors.register(gauge)
+        return gauge
 
     def render(self) -> str:
-        lines: list[str] = []
-        for metric in self._metrics.values():
-            lines += metric.header()
-            lines += metric.samples()
-        return "\n".join(lines) + "\n"
-
-
-def _labels(names: Sequence[str], values: Sequence[str]) -> str:
-    if not names:
-        return ""
-    escaped = (str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for v in values)
-    return "{" + ",".join(f'{n}="{v}"' for n, v in zip(names, escaped)) + "}"
-
-
-def _number(value: float) -> str:
-    value = float(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value.is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(value)
+        """The exposition of every metric (CONTENT_TYPE)."""
+        return prometheus_client.generate_latest(self.collectors).decode()
 
 
 def parse_samples(text: str) -> dict[str, float]:
     """{`name{labels}`: value} of an exposition (for tests and the benchmark, which read /metrics)."""
     out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
 
 

@@ -227,6 +227,21 @@ def make_cache(config: HSTUConfig, num_pages: int = 256, page_size: int | None =
     ))
 
 
+def offline_logits(model, dataset, indices: np.ndarray) -> dict[int, torch.Tensor]:
+    """Each visit's logits from the offline replay, one big cache (request index -> [candidates, tasks]):
+    what a served answer must equal."""
+    from model.inference import InferenceSession
+
+    session = InferenceSession(model, dataset, kv_cache=make_cache(model.config, num_pages=1024))
+    out = {}
+    for batch in dataset.batches(indices, 4):
+        result = session.serve(batch)
+        offsets = np.concatenate([[0], np.cumsum(result.candidate_lengths)])
+        for b, request in enumerate(result.request_ids.tolist()):
+            out[request] = result.logits[offsets[b]:offsets[b + 1]]
+    return out
+
+
 def assert_logits_close(cached: torch.Tensor, full: torch.Tensor, rel: float = 1e-5) -> None:
     scale = max(1.0, float(full.abs().max()))
     diff = float((cached - full).abs().max()) if full.numel() else 0.0

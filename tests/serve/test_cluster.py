@@ -17,10 +17,9 @@ import redis
 import torch
 
 from data.dataset import InferenceDataset
-from helpers import assert_logits_close, make_cache
+from helpers import assert_logits_close, offline_logits
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from model.checkpoint import load_checkpoint, model_fingerprint
-from model.inference import InferenceSession
 from serve.launch import start_node, start_router, wait_healthy, wait_until
 from serve.locality_index import IndexKeys, decode
 from serve.metrics import parse_samples
@@ -91,14 +90,7 @@ def get_text(url: str) -> str:
 
 def offline(cluster: Cluster, indices: np.ndarray) -> dict[int, torch.Tensor]:
     """Each visit's logits from the offline replay (request index -> [candidates, tasks])."""
-    session = InferenceSession(cluster.model, cluster.dataset, kv_cache=make_cache(cluster.model.config, num_pages=1024))
-    out = {}
-    for batch in cluster.dataset.batches(indices, 4):
-        result = session.serve(batch)
-        offsets = np.concatenate([[0], np.cumsum(result.candidate_lengths)])
-        for b, request in enumerate(result.request_ids.tolist()):
-            out[request] = result.logits[offsets[b]:offsets[b + 1]]
-    return out
+    return offline_logits(cluster.model, cluster.dataset, indices)
 
 
 def users_visits(cluster: Cluster, count: int, skip_users: set[int] = frozenset()) -> dict[int, list[int]]:

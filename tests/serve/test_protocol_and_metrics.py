@@ -59,14 +59,25 @@ def test_exposition_format_and_round_trip():
     registry.gauge_callback("x_stat", "Stats.", lambda: {("hits",): 4}, ("stat",))
     text = registry.render()
     assert "# TYPE x_requests_total counter" in text and "# TYPE x_seconds histogram" in text
+    assert "_created" not in text  # no timestamp series beside every counter and histogram
     samples = parse_samples(text)
     assert samples['x_requests_total{code="200"}'] == 1 and samples['x_requests_total{code="400"}'] == 2
-    assert samples['x_seconds_bucket{le="0.1"}'] == 1 and samples['x_seconds_bucket{le="1"}'] == 2
+    assert samples['x_seconds_bucket{le="0.1"}'] == 1 and samples['x_seconds_bucket{le="1.0"}'] == 2
     assert samples['x_seconds_bucket{le="+Inf"}'] == 3 and samples["x_seconds_count"] == 3
     assert samples["x_seconds_sum"] == pytest.approx(5.55)
     assert samples["x_depth"] == 3 and samples['x_stat{stat="hits"}'] == 4
     assert histogram_quantile(0.5, samples, "x_seconds") == pytest.approx(0.55)  # 2nd of 3 in (0.1, 1]
-    with pytest.raises(ValueError, match="takes labels"):
+    with pytest.raises(ValueError, match="label names"):
         requests.inc(node="a")
-    with pytest.raises(ValueError, match="only goes up"):
+    with pytest.raises(ValueError, match="non-negative"):
         requests.inc(-1, code="200")
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        registry.gauge_callback("x_depth", "Again.", lambda: 1)
+
+
+def test_registries_are_per_process_part():
+    """Two routers (or nodes) in one process count apart: neither writes the global default registry."""
+    first, second = Registry(), Registry()
+    first.counter("x_total", "X.").inc(3)
+    second.counter("x_total", "X.").inc()
+    assert parse_samples(first.render())["x_total"] == 3 and parse_samples(second.render())["x_total"] == 1
