@@ -9,6 +9,7 @@ from model.attention.relative_bias import MAX_POSITION_BUCKETS, MAX_TIME_BUCKETS
 
 NUM_ACTION_IDS = 256  # action_weights is an 8-bit mask
 UNKNOWN_ACTION_ID = NUM_ACTION_IDS  # a candidate's action is not known yet: its own learned vector
+MIN_HEAD_DIM = 16
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,12 @@ class HSTUConfig:
     def __post_init__(self) -> None:
         checks = {
             "num_layers must be >= 1": self.num_layers >= 1,
-            "num_heads and head_dim must be >= 1": self.num_heads >= 1 and self.head_dim >= 1,
+            "num_heads must be >= 1": self.num_heads >= 1,
+            # The Triton attention kernel multiplies [rows, head_dim] tiles with tl.dot, which compiles
+            # only for power-of-two widths of at least 16 (the sm90 compile refuses 8 and 96; the CPU
+            # interpreter would accept them, so the check lives here, where every model starts).
+            f"head_dim must be a power of two >= {MIN_HEAD_DIM} (the Triton attention kernel's tl.dot tiles), "
+            f"got {self.head_dim}": self.head_dim >= MIN_HEAD_DIM and self.head_dim & (self.head_dim - 1) == 0,
             "max_seq_len must exceed the contextual prefix": self.max_seq_len > self.num_prefix_tokens,
             "window_stride must be in [1, max_seq_len - prefix]": 1
             <= self.window_stride

@@ -1,0 +1,23 @@
+"""HSTUConfig refuses what a backend cannot run, naming the rule."""
+from __future__ import annotations
+
+import pytest
+
+from model.config import PRESET_NAMES, HSTUConfig, preset
+
+
+@pytest.mark.parametrize("head_dim", [0, 8, 24, 96, 100])
+def test_a_head_dim_the_kernel_cannot_compile_is_refused(head_dim):
+    with pytest.raises(ValueError, match=f"head_dim must be a power of two >= 16 .*got {head_dim}"):
+        HSTUConfig(head_dim=head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+def test_power_of_two_head_dims_are_accepted(head_dim):
+    assert HSTUConfig(head_dim=head_dim).attention_dim == 4 * head_dim
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_every_preset_is_valid_and_round_trips(name):
+    config = preset(name)
+    assert HSTUConfig.from_dict(config.to_dict()) == config
