@@ -85,9 +85,19 @@ def num_splits(num_tiles: int, num_heads: int, max_keys: int, device: torch.devi
     """Key splits that keep ~TARGET_PROGRAMS_PER_SM programs per SM (1 off CUDA)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = -(-TARGET_PROGRAMS_PER_SM * sms // max(1, num_tiles * num_heads))
-    return int(max(1, min(MAX_SPLITS, wanted, -(-max_keys // BLOCK_N))))
+    return split_count(num_tiles, num_heads, max_keys, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def split_count(num_tiles: int, num_heads: int, max_keys: int, num_sms: int) -> int:
+    """A power of two in [1, MAX_SPLITS]: the programs' wish rounded up, then held to the key blocks.
+
+    NUM_SPLITS is a kernel constexpr, so every distinct value is a compile (seconds each, mid-serving);
+    powers of two bound them to log2(MAX_SPLITS) + 1 per shape, all of which a node can warm up.
+    """
+    wanted = -(-TARGET_PROGRAMS_PER_SM * num_sms // max(1, num_tiles * num_heads))
+    limit = max(1, min(MAX_SPLITS, -(-max_keys // BLOCK_N)))
+    splits = min(1 << max(0, wanted - 1).bit_length(), limit)
+    return 1 << (splits.bit_length() - 1)
 
 
 if triton is not None:

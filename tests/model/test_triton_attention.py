@@ -169,3 +169,20 @@ def test_the_model_scores_the_same_through_the_kernel(bucketed):
         model.attention_backend = "triton"
         assert_logits_close(serve(model, None, histories, visits), reference)
         assert_logits_close(serve(model, cache, histories, visits, forward=forward), reference)
+
+
+def test_split_counts_are_few_powers_of_two_within_the_key_blocks():
+    """Each distinct NUM_SPLITS is a kernel compile: a sweep over batch shapes and GPUs yields only
+    powers of two up to MAX_SPLITS, never more splits than key blocks, and more splits for fewer tiles."""
+    seen = set()
+    for num_sms in (1, 78, 114, 132):
+        for tiles in (1, 2, 3, 5, 17, 64, 250, 1000):
+            for heads in (1, 4, 8):
+                for max_keys in (1, 63, 64, 65, 200, 1000, 4096, 100_000):
+                    splits = triton_attention.split_count(tiles, heads, max_keys, num_sms)
+                    key_blocks = -(-max_keys // triton_attention.BLOCK_N)
+                    assert splits & (splits - 1) == 0 and 1 <= splits <= min(triton_attention.MAX_SPLITS, key_blocks)
+                    seen.add(splits)
+    assert seen == {1 << i for i in range(triton_attention.MAX_SPLITS.bit_length())}
+    assert triton_attention.split_count(1, 1, 100_000, 132) == triton_attention.MAX_SPLITS
+    assert triton_attention.split_count(1000, 8, 100_000, 132) == 1
