@@ -34,7 +34,12 @@ $(STAMP): constraints.txt requirements.txt requirements-$(DEVICE).txt requiremen
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
+# On a CUDA machine the GPU path is checked first: a CPU torch or an old driver would otherwise turn
+# every CUDA test into a skip and the run green (tools/gpu_runtime_check.py).
 test: $(STAMP)
+ifeq ($(DEVICE),cuda)
+	$(PY) tools/gpu_runtime_check.py
+endif
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
