@@ -186,3 +186,13 @@ def test_split_counts_are_few_powers_of_two_within_the_key_blocks():
     assert seen == {1 << i for i in range(triton_attention.MAX_SPLITS.bit_length())}
     assert triton_attention.split_count(1, 1, 100_000, 132) == triton_attention.MAX_SPLITS
     assert triton_attention.split_count(1000, 8, 100_000, 132) == 1
+
+
+@pytest.mark.parametrize(("head_dim", "page_size", "splits"), [(64, 32, 1), (128, 32, 4), (64, 64, 2), (128, 64, 1)])
+def test_kernel_at_production_head_dims_and_page_sizes(head_dim, page_size, splits):
+    """The presets' head dims (64: demo, 128: kuairand-1k) and serving page sizes, a window of ~1,000
+    cached keys, several splits, with the bias, against the float64 dense reference."""
+    rng = np.random.default_rng(head_dim + page_size)
+    case = paged_attention_case(rng, [1_000, 37], new=[3, 40], cands=[8, 5], page_size=page_size, heads=4,
+                                head_dim=head_dim, dtype=torch.float32)
+    _check(case, _run(case, False, splits=splits), False, atol=2e-5, rtol=2e-5)
