@@ -24,6 +24,7 @@ import torch
 from data.batch import VisitBatch
 from data.dataset import InferenceDataset
 from kvcache import CacheVersion, KVCacheManager, KVCacheStaleError
+from kvcache.cache_version import NOTHING
 from model.cache_tag import window_tags
 from model.checkpoint import model_fingerprint as fingerprint_of
 from model.cuda_graphs import CUDAGraphs
@@ -278,7 +279,7 @@ def _plan(layout, cache: KVCacheManager, user_ids: np.ndarray, ends: np.ndarray,
     if drop.any():
         dropped = np.flatnonzero(drop)
         cache.invalidate_kv_cache(user_ids[dropped].tolist())
-        for i, version in zip(dropped, cache.get_user_versions(user_ids[dropped].tolist())):
-            versions[i] = version
+        for i in dropped:  # planned from nothing: whatever another caller caches meanwhile makes the prepare stale
+            versions[i] = NOTHING
         plan = VisitPlan(plan.window_starts, np.where(drop, plan.window_starts, plan.starts), invalidate=drop)
     return plan, mismatches, versions

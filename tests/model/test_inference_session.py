@@ -141,6 +141,34 @@ def test_same_length_rewrite_between_plan_and_prepare_is_replanned(setup, monkey
     assert_logits_close(result.logits, InferenceSession(model, dataset).serve(np.array([second])).logits)
 
 
+def test_tokens_cached_by_another_caller_right_after_our_invalidation_are_replanned(setup, monkeypatch):
+    """The plan drops a user's cache (the visit's history ends before what is cached) and computes the
+    window from nothing; another caller caches tokens for the user in between. The prepare must see
+    that the cache is no longer empty (stale, re-plan), never continue or overlap those tokens."""
+    dataset, cfg, model = setup
+    user, first, second = user_with_two_visits(dataset)
+    cache = make_cache(cfg, num_pages=256)
+    session = InferenceSession(model, dataset, kv_cache=cache)
+    session.serve(np.array([second]))  # the cache now holds more than the first visit's window
+    (start,), (length,) = (t.tolist() for t in cache.get_user_kvdata_info([user]))
+    invalidate, prepare = cache.invalidate_kv_cache, cache.prepare_kv_cache
+    racing = []
+
+    def invalidate_then_race(users):
+        invalidate(users)
+        if not racing:
+            racing.append(1)
+            meta = prepare([user], [start], [length])
+            layout = cache.config.page_layout
+            append_batch(cache, meta, new_token_kv(layout, meta, [start], lambda u, pos: token_kv(layout, u, pos, 3)))
+            cache.commit(meta)
+
+    monkeypatch.setattr(cache, "invalidate_kv_cache", invalidate_then_race)
+    result = session.serve(np.array([first]))
+    assert racing
+    assert_logits_close(result.logits, InferenceSession(model, dataset).serve(np.array([first])).logits)
+
+
 def test_cache_of_another_geometry_is_refused(setup):
     dataset, cfg, model = setup
     with pytest.raises(ValueError, match="does not match the model"):
