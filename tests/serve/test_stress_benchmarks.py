@@ -42,9 +42,8 @@ def test_soak_tiny_mode_runs_end_to_end_with_its_kills(tmp_path, serving_artifac
         f"{verb} {what}" if verb == "kill" else f"{what} {verb}" for what in ("node", "router", "redis")
         for verb in ("kill", "back"))
     assert result["requests"] == 60 and result["answered"] + result["lost"] == 60 and result["wrong_logits"] == 0
-    # No request lost to a kill. A cold start can still lose a batch to the node's known overlap bug
-    # (docs/serving.md, "Soak"): a 500, which the client does not retry; not this test's subject.
-    assert all("KVCacheRequestError" in error for error in result["errors"]), result["errors"]
+    # No request lost, to a kill or to the re-plan race the first soak found (docs/serving.md, "Soak").
+    assert result["lost"] == 0, result["errors"]
     assert result["windows"] and set(result["rss"]) == {"redis", "node0", "node1", "router0", "router1"}
     assert set(result["pages_at_end"]) == {"node0", "node1"}
     assert out.with_suffix(".png").stat().st_size > 0
