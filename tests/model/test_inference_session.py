@@ -53,6 +53,14 @@ def user_with_two_visits(dataset):
     return user, first, second
 
 
+def cache_other_tokens(cache, prepare, user, start, length, salt):
+    """What another caller does: commit K/V of its own (`salt`) for the user's tokens [start, start + length)."""
+    meta = prepare([user], [start], [length])
+    layout = cache.config.page_layout
+    append_batch(cache, meta, new_token_kv(layout, meta, [start], lambda u, pos: token_kv(layout, u, pos, salt)))
+    cache.commit(meta)
+
+
 def rewrite_first_event(processed, out, user):
     """A copy of the preprocessed output in which upstream changed the user's event 0."""
     shutil.copytree(processed, out)
@@ -128,10 +136,7 @@ def test_same_length_rewrite_between_plan_and_prepare_is_replanned(setup, monkey
         if not calls:
             (start,), (length,) = (t.tolist() for t in cache.get_user_kvdata_info([user]))
             cache.invalidate_kv_cache([user])
-            meta = prepare([user], [start], [length])
-            layout = cache.config.page_layout
-            append_batch(cache, meta, new_token_kv(layout, meta, [start], lambda u, pos: token_kv(layout, u, pos, 7)))
-            cache.commit(meta)
+            cache_other_tokens(cache, prepare, user, start, length, salt=7)
         calls.append(1)
         return prepare(*args, **kwargs)
 
@@ -158,10 +163,7 @@ def test_tokens_cached_by_another_caller_right_after_our_invalidation_are_replan
         invalidate(users)
         if not racing:
             racing.append(1)
-            meta = prepare([user], [start], [length])
-            layout = cache.config.page_layout
-            append_batch(cache, meta, new_token_kv(layout, meta, [start], lambda u, pos: token_kv(layout, u, pos, 3)))
-            cache.commit(meta)
+            cache_other_tokens(cache, prepare, user, start, length, salt=3)
 
     monkeypatch.setattr(cache, "invalidate_kv_cache", invalidate_then_race)
     result = session.serve(np.array([first]))
