@@ -16,6 +16,7 @@ history end / request time), so a training candidate cannot see its own label th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -26,18 +27,26 @@ from data.video_counters import VideoCounters
 FAMILIES = ("user", "video", "user_video")
 
 
+class VideoCountSource(Protocol):
+    """Per-video (shown, clicks, long views) over every user's events before each time: `VideoCounters`
+    over a log, or a history store's counters over everything it holds."""
+
+    def counts(self, video_ids: np.ndarray, times_ms: np.ndarray) -> np.ndarray: ...  # [M, 3] int64
+
+
 @dataclass(frozen=True)
 class CandidateCounters:
     user_offsets: np.ndarray  # [U + 1] user row r's events are [user_offsets[r], user_offsets[r + 1])
     user_positives_before: np.ndarray  # [E + 1, len(COUNTED_TASKS)] int32 prefix sums over the flat events
-    video: VideoCounters
+    video: VideoCountSource
     user_video: PriorExposures
 
     @classmethod
-    def build(cls, events, video_until_ms: int | None = None) -> CandidateCounters:
-        """`events`: a dataset's `EventArrays`."""
-        return cls(events.offsets, counted_prefix_sums(events.action_weights),
-                   VideoCounters.build(events, video_until_ms), PriorExposures.build(events))
+    def build(cls, events, video_until_ms: int | None = None, video: VideoCountSource | None = None
+              ) -> CandidateCounters:
+        """`events`: `EventArrays`; the video family from `video`, or when None from `events` themselves."""
+        video = video if video is not None else VideoCounters.build(events, video_until_ms)
+        return cls(events.offsets, counted_prefix_sums(events.action_weights), video, PriorExposures.build(events))
 
     def for_candidates(self, rows: np.ndarray, ends: np.ndarray, times_ms: np.ndarray,
                        video_ids: np.ndarray) -> np.ndarray:

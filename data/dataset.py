@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -18,36 +17,15 @@ import pyarrow.parquet as pq
 
 from data import jagged, output, schema
 from data.batch import VisitBatch
-from data.candidate_counters import CandidateCounters
 from data.manifest import Manifest
 from data.requests import RequestTable
+from data.user_histories import EventArrays, UnknownUserError, UserEvents, UserHistories
+
+__all__ = ["EventArrays", "InferenceDataset", "UnknownUserError", "UserEvents"]
 
 log = logging.getLogger(__name__)
 
-class UserEvents(NamedTuple):
-    video_ids: np.ndarray  # [n] int64
-    action_weights: np.ndarray  # [n] int64
-    timestamps_ms: np.ndarray  # [n] int64
-    prev_timestamp_ms: int  # time of the event before the range (of its first event at 0)
-    user_features: np.ndarray  # [F] int64
-
-
-class EventArrays(NamedTuple):
-    """Every event of the dataset, flat and per user (read-only views): what derived indexes build on."""
-
-    user_ids: np.ndarray  # [U] ascending
-    offsets: np.ndarray  # [U + 1] user u's events are [offsets[u], offsets[u + 1])
-    video_ids: np.ndarray  # [E]
-    action_weights: np.ndarray  # [E]
-    timestamps_ms: np.ndarray  # [E]
-    user_features: np.ndarray  # [U, F]
-
-
-class UnknownUserError(ValueError):
-    """A request names a user the dataset has no events for."""
-
-
-class InferenceDataset:
+class InferenceDataset(UserHistories):
     def __init__(self, root: Path | str, video_counters_until_ms: int | None = None):
         """Load `root` (an output of preprocessor_inference.py; see data.output.readable_output
         for a run killed while replacing it). Raises FileNotFoundError or ValueError naming the
@@ -77,22 +55,20 @@ class InferenceDataset:
         self._check_columns(schema.SEQUENCES_FILE, sequences, sequence_columns)
         self._check_columns(schema.REQUESTS_FILE, requests, schema.REQUEST_COLUMNS)
 
-        self.user_ids = sequences.column("user_id").to_numpy()  # [U] ascending
+        user_ids = sequences.column("user_id").to_numpy()  # [U] ascending
         flat = {name: _flat_list(sequences.column(name)) for name in schema.SEQUENCE_LIST_COLUMNS}
-        self._offsets = flat["video_ids"][1]  # [U + 1]
-        if any(not np.array_equal(offsets, self._offsets) for _, offsets in flat.values()):
+        offsets = flat["video_ids"][1]  # [U + 1]
+        if any(not np.array_equal(o, offsets) for _, o in flat.values()):
             raise ValueError(f"{self.root / schema.SEQUENCES_FILE}: list columns have different lengths")
-        self._video_ids = flat["video_ids"][0]  # [E]
-        self._action_weights = flat["action_weights"][0]  # [E]
-        self._timestamps = flat["timestamps"][0]  # [E]
-        self._user_features = np.stack(  # [U, F]
+        user_features = np.stack(  # [U, F]
             [sequences.column(n).to_numpy() for n in self.manifest.user_feature_names], axis=1
-        ).astype(np.int64).reshape(len(self.user_ids), -1)
+        ).astype(np.int64).reshape(len(user_ids), -1)
+        events = EventArrays(user_ids, offsets, flat["video_ids"][0], flat["action_weights"][0],
+                             flat["timestamps"][0], user_features)
+        super().__init__(events, str(self.root), video_counters_until_ms=video_counters_until_ms)
 
         self.requests = RequestTable.from_arrow(requests)
         self._request_user_row = np.searchsorted(self.user_ids, self.requests.user_id)  # [R]
-        self._counters: CandidateCounters | None = None  # built on first use
-        self.video_counters_until_ms = video_counters_until_ms
         self._validate()
 
     # ------------------------------------------------------------ sizes
@@ -110,31 +86,6 @@ class InferenceDataset:
     @property
     def num_tasks(self) -> int:
         return len(self.manifest.tasks)
-
-    def history_length(self, user_id: int) -> int:
-        """Number of events of `user_id` (KeyError for a user without events)."""
-        row = int(np.searchsorted(self.user_ids, user_id))
-        if row >= len(self.user_ids) or self.user_ids[row] != user_id:
-            raise KeyError(f"user {user_id} has no events in {self.root}")
-        return int(self._offsets[row + 1] - self._offsets[row])
-
-    def user_events(self, user_id: int, start: int, end: int) -> UserEvents:
-        """Views of events [start, end) of `user_id`, the event before them and the user's
-        features: everything a cached range of K/V was computed from."""
-        row = int(np.searchsorted(self.user_ids, user_id))
-        if row >= len(self.user_ids) or self.user_ids[row] != user_id:
-            raise KeyError(f"user {user_id} has no events in {self.root}")
-        base, n = int(self._offsets[row]), int(self._offsets[row + 1] - self._offsets[row])
-        if not 0 <= start <= end <= n:
-            raise ValueError(f"user {user_id}: events [{start}, {end}) outside its {n} events")
-        span = slice(base + start, base + end)
-        return UserEvents(
-            video_ids=self._video_ids[span],
-            action_weights=self._action_weights[span],
-            timestamps_ms=self._timestamps[span],
-            prev_timestamp_ms=int(self._timestamps[base + max(start - 1, 0)]) if n else 0,
-            user_features=self._user_features[row],
-        )
 
     # ------------------------------------------------------------ replay order
     def request_indices(
@@ -166,31 +117,6 @@ class InferenceDataset:
             seen.add(user)
         if batch:
             yield np.asarray(batch, dtype=np.int64)
-
-    def event_arrays(self) -> EventArrays:
-        return EventArrays(self.user_ids, self._offsets, self._video_ids, self._action_weights,
-                           self._timestamps, self._user_features)
-
-    # ------------------------------------------------------------ users
-    def user_rows(self, user_ids: np.ndarray) -> np.ndarray:
-        """[B] row of each user in the sequence arrays; `UnknownUserError` for a user without events."""
-        user_ids = np.asarray(user_ids, dtype=np.int64).reshape(-1)
-        rows = np.searchsorted(self.user_ids, user_ids)
-        found = rows < len(self.user_ids)
-        found[found] = self.user_ids[rows[found]] == user_ids[found]
-        if not found.all():
-            raise UnknownUserError(f"user {int(user_ids[~found][0])} has no events in {self.root}")
-        return rows
-
-    def history_ends(self, user_ids: np.ndarray, times_ms: np.ndarray) -> np.ndarray:
-        """[B] number of each user's events strictly before `times_ms` (its history at that time).
-
-        A vectorised binary search inside each user's (time-sorted) slice of the event arrays.
-        """
-        rows = self.user_rows(user_ids)
-        times = np.asarray(times_ms, dtype=np.int64).reshape(-1)
-        first_not_before = jagged.searchsorted_in_runs(self._timestamps, self._offsets[rows], self._offsets[rows + 1], times)
-        return first_not_before - self._offsets[rows]
 
     # ------------------------------------------------------------ batches
     def make_batch(self, indices: np.ndarray, starts: np.ndarray, window_starts: np.ndarray,
@@ -233,89 +159,6 @@ class InferenceDataset:
             candidate_history_ends=merged(targets - self._offsets[np.repeat(row, targets_per_visit)], end[user_index]),
             candidate_times_ms=merged(self._timestamps[targets], req.time_ms[idx][user_index]),
         )
-
-    def make_request_batch(
-        self,
-        user_ids: np.ndarray,
-        ends: np.ndarray,
-        starts: np.ndarray,
-        window_starts: np.ndarray,
-        request_times_ms: np.ndarray,
-        candidate_lengths: np.ndarray,
-        candidate_video_ids: np.ndarray,
-    ) -> VisitBatch:
-        """The VisitBatch for ad-hoc requests (a serving node's): each user's events [starts, ends)
-        with the given candidates and no labels."""
-        rows = self.user_rows(user_ids)
-        ends = np.asarray(ends, dtype=np.int64).reshape(-1)
-        n_events = self._offsets[rows + 1] - self._offsets[rows]
-        if np.any((ends < 1) | (ends > n_events)):
-            b = int(np.flatnonzero((ends < 1) | (ends > n_events))[0])
-            raise ValueError(f"user {int(user_ids[b])}: history end {int(ends[b])} outside [1, {int(n_events[b])}]")
-        return self._visit_batch(
-            rows, ends, starts, window_starts, np.full(len(rows), -1, dtype=np.int64),
-            np.asarray(request_times_ms, dtype=np.int64).reshape(-1),
-            np.asarray(candidate_lengths, dtype=np.int64).reshape(-1),
-            np.asarray(candidate_video_ids, dtype=np.int64).reshape(-1), None,
-        )
-
-    def _visit_batch(
-        self, row: np.ndarray, end: np.ndarray, starts: np.ndarray, window_starts: np.ndarray,
-        request_ids: np.ndarray, request_times: np.ndarray, num_candidates: np.ndarray,
-        candidate_video_ids: np.ndarray, labels: np.ndarray | None,
-        candidate_history_ends: np.ndarray | None = None, candidate_times_ms: np.ndarray | None = None,
-    ) -> VisitBatch:
-        starts = np.asarray(starts, dtype=np.int64).reshape(-1)  # [B]
-        window_starts = np.asarray(window_starts, dtype=np.int64).reshape(-1)  # [B]
-        if not len(row) == len(starts) == len(window_starts):
-            raise ValueError(
-                f"requests, starts and window_starts differ in length: {len(row)}, {len(starts)}, {len(window_starts)}"
-            )
-        user = self.user_ids[row]
-        if len(np.unique(user)) != len(user):
-            raise ValueError("a batch holds each user at most once (use InferenceDataset.batches)")
-        bad = np.flatnonzero((window_starts < 0) | (window_starts > starts) | (starts > end))
-        if len(bad):
-            i = bad[0]
-            raise ValueError(
-                f"request {int(request_ids[i])} (user {int(user[i])}): invalid range "
-                f"window_start={int(window_starts[i])}, start={int(starts[i])}, end={int(end[i])}; "
-                "need 0 <= window_start <= start <= end"
-            )
-        base = self._offsets[row]  # [B] flat index of each user's event 0
-        history_lengths = end - starts  # [B]
-        events = jagged.range_indices(base + starts, history_lengths)  # [N]
-        # A visit always has >= 1 event before `end`, so event max(start - 1, 0) exists.
-        prev_timestamps = self._timestamps[base + np.maximum(starts - 1, 0)]  # [B]
-        visit_of = np.repeat(np.arange(len(row)), num_candidates)  # [M]
-        counter_ends = end[visit_of] if candidate_history_ends is None else candidate_history_ends
-        counter_times = request_times[visit_of] if candidate_times_ms is None else candidate_times_ms
-        return VisitBatch(
-            request_ids=request_ids,
-            user_ids=user,
-            request_times_ms=request_times,
-            window_starts=window_starts.copy(),
-            starts=starts.copy(),
-            history_lengths=history_lengths,
-            prev_timestamps_ms=prev_timestamps,
-            user_features=self._user_features[row],  # [B, F]
-            video_ids=self._video_ids[events],
-            action_weights=self._action_weights[events],
-            timestamps_ms=self._timestamps[events],
-            candidate_lengths=num_candidates,
-            candidate_video_ids=candidate_video_ids,
-            labels=labels,  # [M, num_tasks]
-            candidate_counters=self.counters().for_candidates(row[visit_of], counter_ends, counter_times,
-                                                              candidate_video_ids),
-            candidate_history_ends=candidate_history_ends,
-            candidate_times_ms=candidate_times_ms,
-        )
-
-    def counters(self) -> CandidateCounters:
-        """The candidates' counting features (user, video, user x video) over every event (built once)."""
-        if self._counters is None:
-            self._counters = CandidateCounters.build(self.event_arrays(), self.video_counters_until_ms)
-        return self._counters
 
     # ------------------------------------------------------------ loading helpers
     def _file(self, name: str) -> Path:

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 import preprocessor_inference
 from data import schema
+from data.event_rules import duplicate_mask, stable_order
 from data.manifest import PreprocessParams
-from data.preprocess import duplicate_mask, preprocess, stable_order
+from data.preprocess import preprocess
 from data.synthetic import generate
 from helpers import MINUTE, T0, feature_row, log_row, snapshot, write_log, write_raw_dir, write_user_features
 from helpers import REPO_ROOT as REPO
