@@ -64,6 +64,11 @@ class UserHistories:
     def num_events(self) -> int:
         return len(self._video_ids)
 
+    def snapshot(self, user_ids: np.ndarray, until_ms: np.ndarray) -> UserHistories:
+        """These histories serve any visit of their users as they are (they are already in memory):
+        a read-only history source for `InferenceSession`."""
+        return self
+
     def history_length(self, user_id: int) -> int:
         """Number of events of `user_id` (KeyError for a user without events)."""
         row = int(np.searchsorted(self.user_ids, user_id))

@@ -73,7 +73,7 @@ class HistoryStore(ABC):
         """[U] users' [U, F] encoded contextual features (from the bootstrap); replaces earlier ones."""
 
     @abstractmethod
-    def user_ids(self) -> np.ndarray:
+    def stored_user_ids(self) -> np.ndarray:
         """[U] ascending: every user with a stored event."""
 
     @abstractmethod

@@ -8,11 +8,17 @@ A preprocessed output keeps only the columns the model reads (its events are dis
 every log column), so its events enter the store with the other log columns marked "not recorded":
 -1, and `tab` = -1 - k for the k-th of the user's events that agree on every recorded column, which
 keeps them distinct. A raw log row re-sent later with its original columns is therefore a new event
-to the store; bootstrap from the logs when such rows may arrive again. Both are appends like any other (idempotent, all or nothing per chunk): a bootstrap that was
-interrupted is finished by running it again.
+to the store; bootstrap from the logs when such rows may arrive again. Both are appends like any
+other (idempotent, all or nothing per chunk): a bootstrap that was interrupted is finished by
+running it again.
+
+    python -m history.bootstrap --store sqlite:///var/lib/hstu/history.sqlite --data_dir data/kuairand-1k \
+        [--until_date 20220501]          # only the events before that day (Beijing time)
 """
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +30,7 @@ from data.event_rules import EVENT_KEY_COLUMNS
 from data.manifest import Manifest
 from history.base import AppendResult, HistoryStore
 from history.events import EventBatch
+from history.registry import open_history_store
 
 CHUNK_EVENTS = 50_000
 # The log columns a preprocessed output does not keep (date and hourmin follow from the time).
@@ -88,3 +95,29 @@ def _append_chunks(store: HistoryStore, events: EventBatch, label: str, progress
 
 def _add(a: AppendResult, b: AppendResult) -> AppendResult:
     return AppendResult(a.appended + b.appended, a.duplicates + b.duplicates, a.late + b.late)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Fill a history store from a preprocessed output (or raw logs).")
+    p.add_argument("--store", required=True, help="history store URL (sqlite:///path, redis://host:port/db)")
+    p.add_argument("--data_dir", required=True, help="preprocessed output: events, user features, vocabularies")
+    p.add_argument("--raw_dir", default=None, help="take the events from these raw logs instead (every column)")
+    p.add_argument("--until_date", type=int, default=None, help="YYYYMMDD: only events before that day (Beijing)")
+    args = p.parse_args(argv)
+    until = None if args.until_date is None else schema.beijing_midnight_ms(args.until_date)
+    if args.raw_dir is not None and until is not None:
+        p.error("--until_date applies to --data_dir's events; raw logs are taken whole")
+    with open_history_store(args.store) as store:
+        if args.raw_dir is None:
+            result = bootstrap_from_output(store, args.data_dir, until)
+        else:
+            dataset = InferenceDataset(args.data_dir)
+            store.set_user_features(dataset.user_ids, dataset.event_arrays().user_features)
+            result = bootstrap_from_logs(store, args.raw_dir, manifest=dataset.manifest)
+        print(f"{store.description}: {result.appended} events stored, {result.duplicates} already there; "
+              f"{store.num_events()} events of {len(store.stored_user_ids())} users in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

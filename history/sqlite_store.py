@@ -195,7 +195,7 @@ class SQLiteHistoryStore(HistoryStore):
             raise HistoryUnavailableError(f"{self.description}: counters read failed: {err}") from err
         return out[inverse.reshape(-1)]
 
-    def user_ids(self) -> np.ndarray:
+    def stored_user_ids(self) -> np.ndarray:
         rows = self._connection().execute("SELECT DISTINCT user_id FROM events ORDER BY user_id").fetchall()
         return np.array([r[0] for r in rows], dtype=np.int64)
 

@@ -23,7 +23,7 @@ import weakref
 
 import numpy as np
 
-from data.dataset import EventArrays, InferenceDataset
+from data.user_histories import EventArrays, UserHistories
 
 _LANES = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xD1B54A32D192ED03))  # two independent 64-bit digests
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -58,11 +58,11 @@ class _EventDigestSums:
                 self.sums.append(np.concatenate([np.zeros(1, np.uint64), np.cumsum(d, dtype=np.uint64)]))
 
 
-_SUMS: weakref.WeakKeyDictionary[InferenceDataset, _EventDigestSums] = weakref.WeakKeyDictionary()
+_SUMS: weakref.WeakKeyDictionary[UserHistories, _EventDigestSums] = weakref.WeakKeyDictionary()
 
 
 def window_tags(
-    model_fingerprint: str, num_prefix: int, dataset: InferenceDataset,
+    model_fingerprint: str, num_prefix: int, dataset: UserHistories,
     user_ids: np.ndarray, window_starts: np.ndarray, ends: np.ndarray,
 ) -> list[bytes]:
     """Tags of windows whose cached tokens are the prefix (if num_prefix) and events [w, end)."""

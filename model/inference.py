@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from data.batch import VisitBatch
 from data.dataset import InferenceDataset
+from data.user_histories import UserHistories
 from kvcache import CacheVersion, KVCacheManager, KVCacheStaleError
 from kvcache.cache_version import NOTHING
 from model.cache_tag import window_tags
@@ -31,20 +33,11 @@ from model.cuda_graphs import CUDAGraphs
 from model.kv_store import KVStore, PagedKV
 from model.recommender import HSTURecommender
 from model.token_layout import VisitPlan
+from model.visit import Visit, check_visits
 
 log = logging.getLogger(__name__)
 
 MAX_PLAN_ATTEMPTS = 3  # a cache changed by another caller between planning and prepare is re-planned
-
-
-@dataclass(frozen=True)
-class ScoreRequest:
-    """An ad-hoc visit: score `candidate_video_ids` for `user_id` at `request_time_ms`, over the
-    user's events strictly before that time."""
-
-    user_id: int
-    request_time_ms: int
-    candidate_video_ids: np.ndarray  # [m] int64
 
 
 @dataclass(frozen=True)
@@ -62,11 +55,18 @@ class VisitResult:
 BatchMaker = Callable[[np.ndarray, np.ndarray], VisitBatch]  # (starts, window_starts) -> batch
 
 
+class HistorySource(Protocol):
+    """Where a session reads users' histories: a history store (history/base.py), or a preprocessed
+    dataset (`InferenceDataset`: every user's logged events, read-only)."""
+
+    def snapshot(self, user_ids: np.ndarray, until_ms: np.ndarray) -> UserHistories: ...
+
+
 class InferenceSession:
     def __init__(
         self,
         model: HSTURecommender,
-        dataset: InferenceDataset,
+        history: HistorySource,
         kv_cache: KVCacheManager | None = None,
         offload_between_visits: bool = True,
         model_fingerprint: str | None = None,
@@ -77,7 +77,8 @@ class InferenceSession:
         forward as the replay of its bucket's CUDA graph (model/cuda_graphs.py; CUDA only)."""
         self.model = model.eval()
         self.graphs = CUDAGraphs(model) if cuda_graphs else None
-        self.dataset = dataset
+        self.history = history
+        self.dataset = history if isinstance(history, InferenceDataset) else None  # serve() replays its visits
         self.kv_cache = kv_cache
         self.offload_between_visits = offload_between_visits
         self.tag_mismatches = 0  # cached windows dropped because their inputs changed
@@ -98,12 +99,14 @@ class InferenceSession:
         `next_request_indices` (the batch the caller serves next) are prefetched once this batch is
         prepared: their users' K/V move from the host tier to the device while this batch computes.
         """
+        if self.dataset is None:
+            raise TypeError("serve() replays a dataset's visits: this session reads a history store, use score()")
         idx = np.asarray(request_indices, dtype=np.int64).reshape(-1)
         requests = self.dataset.requests
         after_prepare = None if next_request_indices is None else lambda: self.prefetch(next_request_indices)
         return self._serve(
             requests.user_id[idx], requests.end[idx],
-            lambda starts, windows: self.dataset.make_batch(idx, starts, windows), after_prepare,
+            lambda starts, windows: self.dataset.make_batch(idx, starts, windows), self.dataset, after_prepare,
         )
 
     def prefetch(self, request_indices: np.ndarray) -> int:
@@ -119,36 +122,46 @@ class InferenceSession:
         reusing = plan.starts > plan.window_starts  # a window that restarts would drop what is onloaded
         return self.kv_cache.prefetch(users[reusing].tolist())
 
-    def score(self, requests: Sequence[ScoreRequest]) -> VisitResult:
-        """Score ad-hoc requests (each of a different user) over the users' histories at their times.
+    def score(self, visits: Sequence[Visit]) -> VisitResult:
+        """Score visits (each of a different user) over the users' histories at their request times.
 
-        Raises a ValueError naming the user and field for an unknown user, a user with no events
-        before the request time, an empty or negative candidate list; nothing changes then.
+        Each visit's `new_events` are appended to the history store first (all of them, durably, in one
+        append), then every visit is scored over its user's stored events strictly before its time.
+        Raises a ValueError naming the visit and field for a visit with no events before its time, an
+        empty or negative candidate list, or new events of another user; nothing is stored then.
         """
-        if not requests:
-            raise ValueError("score() needs at least one request")
-        users = np.array([int(r.user_id) for r in requests], dtype=np.int64)
-        times = np.array([int(r.request_time_ms) for r in requests], dtype=np.int64)
-        candidates = [np.asarray(r.candidate_video_ids, dtype=np.int64).reshape(-1) for r in requests]
-        for r, cands in zip(requests, candidates):
-            if cands.size == 0:
-                raise ValueError(f"user {r.user_id}: candidate_video_ids is empty")
-            if int(cands.min()) < 0:
-                raise ValueError(f"user {r.user_id}: candidate_video_ids contains a negative id ({int(cands.min())})")
-        ends = self.dataset.history_ends(users, times)
+        new_events = check_visits(visits)
+        if new_events is not None:
+            append = getattr(self.history, "append", None)
+            if append is None:
+                raise TypeError(f"visits carry new events but {type(self.history).__name__} is read-only")
+            append(new_events)
+        users = np.array([int(v.user_id) for v in visits], dtype=np.int64)
+        times = np.array([int(v.request_time_ms) for v in visits], dtype=np.int64)
+        return self.score_over(self.history.snapshot(users, times), visits)
+
+    def score_over(self, histories: UserHistories, visits: Sequence[Visit]) -> VisitResult:
+        """`score` over histories already read (a snapshot of the visits' users); new events are not stored."""
+        check_visits(visits)
+        users = np.array([int(v.user_id) for v in visits], dtype=np.int64)
+        times = np.array([int(v.request_time_ms) for v in visits], dtype=np.int64)
+        ends = histories.history_ends(users, times)
         if not (ends > 0).all():
             b = int(np.flatnonzero(ends == 0)[0])
-            raise ValueError(f"user {int(users[b])}: no events before request_time_ms={int(times[b])}")
+            raise ValueError(f"visits[{b}] (user {int(users[b])}): no events before request_time_ms={int(times[b])}")
+        candidates = [np.asarray(v.candidate_video_ids, dtype=np.int64).reshape(-1) for v in visits]
         lengths = np.array([len(c) for c in candidates], dtype=np.int64)
         flat = np.concatenate(candidates)
         return self._serve(
             users, ends,
-            lambda starts, windows: self.dataset.make_request_batch(users, ends, starts, windows, times, lengths, flat),
+            lambda starts, windows: histories.make_request_batch(users, ends, starts, windows, times, lengths, flat),
+            histories,
         )
 
     # ------------------------------------------------------------------ one batch
     def _serve(
-        self, user_ids: np.ndarray, ends: np.ndarray, make_batch: BatchMaker, after_prepare: Callable | None = None,
+        self, user_ids: np.ndarray, ends: np.ndarray, make_batch: BatchMaker, histories: UserHistories,
+        after_prepare: Callable | None = None,
     ) -> VisitResult:
         if len(np.unique(user_ids)) != len(user_ids):
             raise ValueError("A batch may hold each user at most once (later visits depend on earlier ones)")
@@ -160,7 +173,7 @@ class InferenceSession:
                 logits = self._forward(batch, None)
             reused = 0
         else:
-            batch, logits, reused = self._serve_cached(user_ids, ends, make_batch, after_prepare)
+            batch, logits, reused = self._serve_cached(user_ids, ends, make_batch, histories, after_prepare)
             if self.offload_between_visits:
                 self.kv_cache.offload_kv_cache(user_ids.tolist())
         spans = layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
@@ -182,18 +195,18 @@ class InferenceSession:
             self.kv_cache.wait_for_onloads()  # a replay reads the pool without asking k_cache()
         return self.graphs.run(self.model.prepare_inputs(batch, kv, bucketed=True), kv)
 
-    def _serve_cached(self, user_ids: np.ndarray, ends: np.ndarray, make_batch: BatchMaker, after_prepare):
+    def _serve_cached(self, user_ids: np.ndarray, ends: np.ndarray, make_batch: BatchMaker, histories: UserHistories,
+                      after_prepare):
+        def tags(users: np.ndarray, window_starts: np.ndarray, window_ends: np.ndarray) -> list[bytes]:
+            return window_tags(self._fingerprint, self.model.config.num_prefix_tokens, histories, users,
+                               window_starts, window_ends)
+
         served = serve_through_cache(
-            self.model, self.kv_cache, user_ids, ends, make_batch, self._tags, forward=self._forward,
+            self.model, self.kv_cache, user_ids, ends, make_batch, tags, forward=self._forward,
             after_prepare=after_prepare,
         )
         self.tag_mismatches += served.tag_mismatches
         return served.batch, served.logits, served.tokens_reused
-
-    def _tags(self, user_ids: np.ndarray, window_starts: np.ndarray, ends: np.ndarray) -> list[bytes]:
-        return window_tags(
-            self._fingerprint, self.model.config.num_prefix_tokens, self.dataset, user_ids, window_starts, ends
-        )
 
 
 TagFn = Callable[[np.ndarray, np.ndarray, np.ndarray], list[bytes]]  # (user_ids, window_starts, ends) -> tags

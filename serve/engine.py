@@ -1,8 +1,11 @@
-"""A node's scoring: checked queries -> `InferenceSession.score`, and where each visit's K/V came from.
+"""A node's scoring: checked queries -> `InferenceSession.score_over`, and where each visit's K/V came from.
 
-The engine owns the node's model, dataset (its stand-in for a feature store: a request names a
-user and a time, the user's events before that time are read from it) and KV cache. Scoring
-runs on one thread (the node's compute thread); `validate` is cheap and runs on the event loop.
+The engine owns the node's model, its history source and KV cache. The history source is a history
+store (history/: events arrive live through POST /events or inline in /score, every node reads the
+same store) or a preprocessed dataset served read-only (a replay). A request names a user and a
+time; the user's events before that time are read from the source, once per batch for every visit
+of the batch. Scoring runs on one thread (the node's compute thread); `validate` is cheap and runs
+on the event loop.
 
 Per visit it reports what a capacity planner and the router's evaluation need: the tier the
 reused K/V came from (this node's device or host memory, the shared Redis tier, or none), the
@@ -19,7 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.dataset import InferenceDataset, UnknownUserError
+from data.dataset import InferenceDataset
+from data.user_histories import EventArrays, UserHistories
+from history.base import HistoryStore, HistoryUnavailableError
+from history.registry import open_history_store
 from kvcache import (
     CacheEvent,
     CacheEventListener,
@@ -30,18 +36,20 @@ from kvcache import (
     build_host_storage,
 )
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
-from model.inference import InferenceSession, ScoreRequest
+from model.inference import HistorySource, InferenceSession
 from model.recommender import HSTURecommender
+from model.visit import Visit
 from serve.locality_index import DEVICE, HOST, NONE, SHARED
-from serve.protocol import ScoreQuery, VisitCache, unprocessable
+from serve.protocol import RequestError, ScoreQuery, VisitCache, unprocessable
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    data_dir: str
+    data_dir: str | None  # a preprocessed dataset served read-only (when no history_store)
     checkpoint: str
+    history_store: str | None = None  # a history store URL (history/registry.py): live events
     device: str = "cpu"
     kv_pages: int = 1024  # device pool pages (at least one largest window)
     page_size: int | None = None  # None: the model's
@@ -88,7 +96,7 @@ class ScoringEngine:
     def __init__(
         self,
         model: HSTURecommender,
-        dataset: InferenceDataset,
+        history: HistorySource,
         cache: KVCacheManager,
         storage: HostKVStorage,
         locations: CacheLocations,
@@ -96,14 +104,15 @@ class ScoringEngine:
         fingerprint: str | None = None,
     ) -> None:
         self.model = model
-        self.dataset = dataset
+        self.history = history
+        self.store = history if isinstance(history, HistoryStore) else None  # takes new events
         self.cache = cache
         self.storage = storage
         self.config = config
         self.fingerprint = fingerprint or model_fingerprint(model)
         self.locations = locations
         self.session = InferenceSession(
-            model, dataset, kv_cache=cache, model_fingerprint=self.fingerprint,
+            model, history, kv_cache=cache, model_fingerprint=self.fingerprint,
             offload_between_visits=config.offload_each_visit,
         )
         self._layout = model.layout
@@ -112,16 +121,11 @@ class ScoringEngine:
 
     # ------------------------------------------------------------------ checks (event loop thread)
     def validate(self, query: ScoreQuery) -> None:
-        """Refuse (RequestError 422) what the session would refuse, before the query is queued."""
-        user = np.array([query.user_id], dtype=np.int64)
-        try:
-            end = int(self.dataset.history_ends(user, np.array([query.request_time_ms], dtype=np.int64))[0])
-        except UnknownUserError:
-            raise unprocessable("unknown_user", f"user {query.user_id} has no events in this node's data") from None
-        if end == 0:
-            raise unprocessable(
-                "no_history", f"user {query.user_id} has no events before request_time_ms={query.request_time_ms}"
-            )
+        """Refuse (RequestError 422) what needs no history read, before the query is queued; a visit's
+        history is checked in its batch (`score_batch` answers unknown_user / no_history per visit)."""
+        if query.events is not None and self.store is None:
+            raise RequestError(405, "read_only_history",
+                               "this node serves a fixed dataset (no --history_store): it takes no events")
         if len(query.candidate_video_ids) > self.config.max_candidates:
             raise unprocessable(
                 "too_many_candidates",
@@ -130,29 +134,49 @@ class ScoringEngine:
             )
 
     # ------------------------------------------------------------------ scoring (compute thread)
-    def score_batch(self, queries: Sequence[ScoreQuery]) -> list[EngineResult]:
-        """Score a batch (each user at most once). A batch whose windows do not fit the device pool
-        together is served one visit at a time."""
+    def score_batch(self, queries: Sequence[ScoreQuery]) -> list[EngineResult | RequestError]:
+        """Score a batch (each user at most once), reading the users' histories once. A visit that cannot
+        be scored gets its own error; the others are scored. A batch whose windows do not fit the device
+        pool together is served one visit at a time."""
         users = np.array([q.user_id for q in queries], dtype=np.int64)
         times = np.array([q.request_time_ms for q in queries], dtype=np.int64)
-        ends = self.dataset.history_ends(users, times)
-        visits = self._account(users, ends, [len(q.candidate_video_ids) for q in queries])
-        requests = [ScoreRequest(q.user_id, q.request_time_ms, np.asarray(q.candidate_video_ids, dtype=np.int64))
-                    for q in queries]
         try:
-            result = self.session.score(requests)
+            histories = self.history.snapshot(users, times)
+        except HistoryUnavailableError as err:
+            return [RequestError(503, "history_unavailable", str(err))] * len(queries)
+        out: list[EngineResult | RequestError | None] = [None] * len(queries)
+        known = np.isin(users, histories.user_ids)
+        ends = np.zeros(len(users), dtype=np.int64)
+        ends[known] = histories.history_ends(users[known], times[known])
+        for b in np.flatnonzero(ends == 0).tolist():
+            q = queries[b]
+            out[b] = (unprocessable("unknown_user", f"user {q.user_id} has no events in {histories.where}")
+                      if not known[b] else
+                      unprocessable("no_history", f"user {q.user_id} has no events before request_time_ms={q.request_time_ms}"))
+        scored = np.flatnonzero(ends > 0)
+        if len(scored):
+            for b, result in zip(scored.tolist(), self._score(histories, [queries[b] for b in scored], ends[scored])):
+                out[b] = result
+        return out
+
+    def _score(self, histories: UserHistories, queries: list[ScoreQuery], ends: np.ndarray) -> list[EngineResult]:
+        users = np.array([q.user_id for q in queries], dtype=np.int64)
+        visits_cache = self._account(users, ends, [len(q.candidate_video_ids) for q in queries])
+        visits = [Visit(q.user_id, q.request_time_ms, np.asarray(q.candidate_video_ids, dtype=np.int64)) for q in queries]
+        try:
+            result = self.session.score_over(histories, visits)
         except KVCacheCapacityError:
             if len(queries) == 1:
                 raise
             log.warning("a batch of %d visits does not fit the device pool: serving it one visit at a time", len(queries))
-            return [self.score_batch([q])[0] for q in queries]
-        reused = sum(v.tokens_reused for v in visits)
+            return [self._score(histories, [q], ends[b:b + 1])[0] for b, q in enumerate(queries)]
+        reused = sum(v.tokens_reused for v in visits_cache)
         if reused != result.tokens_reused:  # a cached window whose tag no longer matched was recomputed
             log.info("visit accounting: planned %d reused tokens, the session reused %d", reused, result.tokens_reused)
         logits = result.logits.numpy()
         offsets = np.concatenate([[0], np.cumsum(result.candidate_lengths)])
         return [
-            EngineResult(logits[offsets[b]:offsets[b + 1]].tolist(), int(ends[b]), visits[b])
+            EngineResult(logits[offsets[b]:offsets[b + 1]].tolist(), int(ends[b]), visits_cache[b])
             for b in range(len(queries))
         ]
 
@@ -188,16 +212,17 @@ class ScoringEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def warm_up(self) -> None:
-        """One forward without the cache (first calls into torch are slow), for the shortest history."""
-        row = int(np.argmin(np.diff(self.dataset.event_arrays().offsets)))
-        user = int(self.dataset.user_ids[row])
-        last_time = int(self.dataset.user_events(user, 0, self.dataset.history_length(user)).timestamps_ms[-1])
-        InferenceSession(self.model, self.dataset).score([ScoreRequest(user, last_time + 1, np.array([0]))])
+        """One forward without the cache over a one-event history (first calls into torch are slow)."""
+        features = np.zeros((1, len(self.model.config.user_feature_cardinalities)), dtype=np.int64)
+        one = np.ones(1, dtype=np.int64)
+        events = EventArrays(np.zeros(1, np.int64), np.array([0, 1]), one, one, one, features)
+        InferenceSession(self.model, UserHistories(events, "warm-up")).score([Visit(0, 2, np.array([0]))])
 
     def reset_cache(self) -> None:
         """Forget every user's K/V in every tier, the shared one included (a benchmark's fresh start)."""
         self.cache.wait()
-        self.cache.invalidate_kv_cache(self.dataset.user_ids.tolist())
+        users = self.store.stored_user_ids() if self.store is not None else self.history.user_ids
+        self.cache.invalidate_kv_cache(users.tolist())
 
     def shutdown(self) -> None:
         """Offload every user's device K/V to the host tiers (the shared one included) and close them."""
@@ -207,21 +232,34 @@ class ScoringEngine:
         finally:
             self.cache.close()
             self.storage.close()
+            if self.store is not None:
+                self.store.close()
 
 
 def open_engine(config: EngineConfig) -> ScoringEngine:
-    """Load the dataset and the checkpoint and build the cache the config describes."""
-    dataset = InferenceDataset(config.data_dir)
+    """Open the history source and the checkpoint and build the cache the config describes."""
     model = load_checkpoint(config.checkpoint, device=config.device).model
-    features = tuple(dataset.user_feature_cardinalities)
+    if config.history_store is not None:
+        history = open_history_store(config.history_store)
+        manifest, where = history.get_manifest(), history.description
+        if manifest is None and model.config.use_contextual_prefix:
+            history.close()
+            raise CheckpointError(f"{where} was never bootstrapped (python -m history.bootstrap): the user-feature "
+                                  f"vocabularies {config.checkpoint} was trained with are unknown to it")
+    else:
+        if config.data_dir is None:
+            raise ValueError("a node needs a history store (history_store) or a preprocessed dataset (data_dir)")
+        history = InferenceDataset(config.data_dir)
+        manifest, where = history.manifest, config.data_dir
+        history.counters()  # every batch carries the counting features: build their indexes now, not on a request
+    features = manifest.user_feature_cardinalities if manifest is not None else ()
     if model.config.use_contextual_prefix and model.config.user_feature_cardinalities != features:
         raise CheckpointError(
             f"{config.checkpoint} was trained for user-feature vocabularies {list(model.config.user_feature_cardinalities)}, "
-            f"the data in {config.data_dir} has {list(features)}"
+            f"the data in {where} has {list(features)}"
         )
     fingerprint = model_fingerprint(model)
     cfg = model.config
-    dataset.counters()  # every batch carries the counting features: build their indexes now, not on a request
     page_size = config.page_size or cfg.page_size
     window_pages = -(-cfg.max_seq_len // page_size)
     if config.kv_pages < window_pages:
@@ -239,5 +277,5 @@ def open_engine(config: EngineConfig) -> ScoringEngine:
     except BaseException:
         storage.close()
         raise
-    return ScoringEngine(model, dataset, cache, storage, locations, config, fingerprint)
+    return ScoringEngine(model, history, cache, storage, locations, config, fingerprint)
 

@@ -1,8 +1,13 @@
 """A serving node: HTTP over a `ScoringEngine`, with dynamic batching, metrics and the locality index.
 
-    python -m serve.node --data_dir DIR --checkpoint DIR --port 8001 [--redis_url redis://127.0.0.1:6379/0]
+    python -m serve.node --history_store sqlite:///var/lib/hstu/history.sqlite --checkpoint DIR --port 8001 \
+        [--redis_url redis://127.0.0.1:6379/0]
+    python -m serve.node --data_dir DIR --checkpoint DIR --port 8001      # a fixed dataset, read-only
 
+    POST /events   -> 200 {"appended", "duplicates", "late", "replayed"} once durable (serve/ingest.py)
+                      | 400 / 409 / 413 {"error": ...} | 503 history_unavailable
     POST /score    -> 200 scores | 400 / 422 {"error": {"code", "message"}} | 503 (queue full, shutting down)
+                      (inline "events" are stored first, as by POST /events)
     GET  /health   -> 200 {"status": "ok", "node_id", "model_fingerprint", "queue_depth", ...} | 503 draining
     GET  /metrics  -> Prometheus text
     POST /admin/reset_cache -> 200 (only with --admin): forget every user's K/V in every tier (benchmarks)
@@ -26,6 +31,7 @@ from aiohttp import web
 
 from serve.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
 from serve.http_app import serve_until_signal
+from serve.ingest import DEFAULT_MAX_EVENTS, Ingestor, append_result_json, parse_events_request
 from serve.locality_index import TIERS
 from serve.metrics import BATCH_SIZE_BUCKETS, CONTENT_TYPE, LATENCY_BUCKETS_S, Registry
 from serve.protocol import RequestError, ScoredVisit, ScoreQuery, parse_score_request
@@ -71,8 +77,10 @@ class NodeMetrics:
 class Node:
     """The HTTP layer: parse, check, queue, answer. The work is the engine's, on one compute thread."""
 
-    def __init__(self, engine, node_id: str, max_batch_size: int, max_wait_s: float, max_queue: int, admin: bool = False):
+    def __init__(self, engine, node_id: str, max_batch_size: int, max_wait_s: float, max_queue: int, admin: bool = False,
+                 max_events: int = DEFAULT_MAX_EVENTS):
         self.engine = engine
+        self.max_events = max_events
         self.node_id = node_id
         self.admin = admin
         self.publisher = None
@@ -80,6 +88,7 @@ class Node:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.registry = Registry()
         self.metrics = NodeMetrics(self.registry)
+        self.ingestor = Ingestor(engine.store, self.registry) if engine.store is not None else None
         self.batcher = DynamicBatcher(self._run_batch, key=lambda q: q.user_id, max_batch_size=max_batch_size,
                                       max_wait_s=max_wait_s, max_queue=max_queue, executor=self.executor)
         self.registry.gauge_callback(
@@ -98,6 +107,7 @@ class Node:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/score", self.score)
+        app.router.add_post("/events", self.events)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         if self.admin:
@@ -113,8 +123,12 @@ class Node:
         try:
             if self.draining:
                 raise RequestError(503, "shutting_down", f"node {self.node_id} is shutting down")
-            query = parse_score_request(await _read_body(request), self.engine.config.max_candidates)
+            max_time = self.ingestor.max_time_ms() if self.ingestor is not None else None
+            query = parse_score_request(await _read_body(request), self.engine.config.max_candidates, max_time,
+                                        self.max_events)
             self.engine.validate(query)
+            if query.events is not None and len(query.events):
+                await self.ingestor.append(query.events)
             try:
                 done = await self.batcher.submit(query)
             except QueueFullError as err:
@@ -134,6 +148,22 @@ class Node:
         self.metrics.record(scored, time.perf_counter() - arrived)
         return web.json_response(scored.to_json(), dumps=_dumps)
 
+    async def events(self, request: web.Request) -> web.Response:
+        try:
+            if self.draining:
+                raise RequestError(503, "shutting_down", f"node {self.node_id} is shutting down")
+            if self.ingestor is None:
+                raise RequestError(405, "read_only_history",
+                                   f"node {self.node_id} serves a fixed dataset (no --history_store): it takes no events")
+            events, batch_id = parse_events_request(await _read_body(request), self.max_events, self.ingestor.max_time_ms())
+            result = await self.ingestor.append(events, batch_id)
+        except RequestError as err:
+            return web.json_response(err.to_json(), status=err.status)
+        except Exception as err:
+            log.exception("ingestion failed")
+            return web.json_response({"error": {"code": "internal", "message": f"{type(err).__name__}: {err}"}}, status=500)
+        return web.json_response(append_result_json(result))
+
     async def health(self, request: web.Request) -> web.Response:
         body = {
             "status": "draining" if self.draining else "ok",
@@ -142,6 +172,7 @@ class Node:
             "queue_depth": self.batcher.queue_depth,
             "max_batch_size": self.batcher.max_batch_size,
             "shared_tier": self.engine.config.redis_url is not None,
+            "history": self.engine.store.description if self.engine.store is not None else "dataset (read-only)",
         }
         return web.json_response(body, status=503 if self.draining else 200)
 
@@ -164,6 +195,8 @@ class Node:
         await self.batcher.close(drain=True)
 
     async def _stop(self, app: web.Application) -> None:
+        if self.ingestor is not None:
+            self.ingestor.close()  # acknowledged appends are done: each answered only once durable
         await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.shutdown)
         self.executor.shutdown(wait=True)
         if self.publisher is not None:
@@ -194,7 +227,10 @@ async def _read_body(request: web.Request) -> bytes:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data_dir", required=True, help="preprocessed dataset (the node's feature store)")
+    p.add_argument("--history_store", default=None,
+                   help="history store URL: sqlite:///path (this machine) or redis://host:port/db (shared); "
+                        "fill it with python -m history.bootstrap")
+    p.add_argument("--data_dir", default=None, help="without --history_store: a preprocessed dataset served read-only")
     p.add_argument("--checkpoint", required=True, help="model checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
@@ -212,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_wait_ms", type=float, default=2.0, help="the oldest request waits at most this for a batch")
     p.add_argument("--max_queue", type=int, default=256, help="requests queued before answering 503")
     p.add_argument("--max_candidates", type=int, default=512)
+    p.add_argument("--max_events", type=int, default=DEFAULT_MAX_EVENTS, help="events per POST /events or /score")
     p.add_argument("--torch_threads", type=int, default=1)
     p.add_argument("--heartbeat_s", type=float, default=1.0)
     p.add_argument("--index_ttl_s", type=float, default=3.0,
@@ -238,7 +275,9 @@ def index_publisher(args: argparse.Namespace, engine, node: Node):
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse impossible settings before the slow start (argparse-style: exit 2 with one message)."""
-    positive = ("max_batch_size", "max_queue", "max_candidates", "torch_threads", "kv_pages", "host_capacity_mb")
+    positive = ("max_batch_size", "max_queue", "max_candidates", "torch_threads", "kv_pages", "host_capacity_mb", "max_events")
+    if (args.history_store is None) == (args.data_dir is None):
+        parser.error("give exactly one of --history_store (live events) and --data_dir (a fixed dataset)")
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -258,23 +297,26 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("serve").setLevel(args.log_level)
     import torch  # after parsing: --help answers without the heavy imports
 
+    from history.base import HistoryUnavailableError
     from serve.engine import EngineConfig, open_engine
 
     torch.set_num_threads(args.torch_threads)
     node_id = args.node_id or f"{args.host}:{args.port}"
     config = EngineConfig(
-        data_dir=args.data_dir, checkpoint=args.checkpoint, device=args.device, kv_pages=args.kv_pages,
-        page_size=args.page_size, host_capacity_bytes=args.host_capacity_mb << 20, redis_url=args.redis_url,
+        data_dir=args.data_dir, checkpoint=args.checkpoint, history_store=args.history_store, device=args.device,
+        kv_pages=args.kv_pages, page_size=args.page_size, host_capacity_bytes=args.host_capacity_mb << 20,
+        redis_url=args.redis_url,
         redis_capacity_bytes=args.redis_capacity_mb << 20, async_offload=not args.sync_offload,
         offload_each_visit=not args.no_offload_each_visit, max_candidates=args.max_candidates,
     )
     try:
         engine = open_engine(config)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, HistoryUnavailableError) as err:
         log.error("cannot start: %s", err)
         return 2
     engine.warm_up()
-    node = Node(engine, node_id, args.max_batch_size, args.max_wait_ms / 1000.0, args.max_queue, admin=args.admin)
+    node = Node(engine, node_id, args.max_batch_size, args.max_wait_ms / 1000.0, args.max_queue, admin=args.admin,
+                max_events=args.max_events)
     if args.redis_url is not None:
         node.publisher = index_publisher(args, engine, node)
     asyncio.run(run(node, args.host, args.port))

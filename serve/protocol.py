@@ -3,7 +3,11 @@
 A request (POST /score, JSON):
 
     {"user_id": 42, "request_time_ms": 1650000000000, "candidate_video_ids": [17, 5, 99],
-     "request_id": "optional, echoed back"}
+     "request_id": "optional, echoed back",
+     "events": [{"video_id": 3, "time_ms": 1649999990000, "is_click": 1}]}   # optional, see below
+
+`events` (optional) are the visit's new events, in POST /events' format (serve/ingest.py; user_id
+may be left out): the node stores them durably first, then scores the visit.
 
 Everything that can be checked without the dataset is checked here, by the router and the node
 alike, so that a malformed request never reaches a node's cache. A refusal is a `RequestError`:
@@ -18,9 +22,10 @@ import math
 from dataclasses import dataclass
 
 from data.schema import TASKS
+from history.events import EventBatch, EventError
 
 MAX_ID = 2**63 - 1  # ids and times are int64 on the node
-FIELDS = ("user_id", "request_time_ms", "candidate_video_ids", "request_id")
+FIELDS = ("user_id", "request_time_ms", "candidate_video_ids", "request_id", "events")
 REQUIRED = ("user_id", "request_time_ms", "candidate_video_ids")
 MAX_REQUEST_ID_CHARS = 200
 
@@ -54,10 +59,13 @@ class ScoreQuery:
     request_time_ms: int
     candidate_video_ids: tuple[int, ...]
     request_id: str | None = None
+    events: EventBatch | None = None  # new events to store before scoring
 
 
-def parse_score_request(body: bytes, max_candidates: int | None = None) -> ScoreQuery:
-    """The request in `body`, or a `RequestError` (400: malformed; 422: too many candidates)."""
+def parse_score_request(body: bytes, max_candidates: int | None = None, max_time_ms: int | None = None,
+                        max_events: int | None = None) -> ScoreQuery:
+    """The request in `body`, or a `RequestError` (400: malformed; 413: too many events; 422: too many
+    candidates). Inline events after `max_time_ms` are refused (the node's clock; None: not checked)."""
     try:
         doc = json.loads(body)
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, and an integer over Python's 4300 digits
@@ -90,7 +98,33 @@ def parse_score_request(body: bytes, max_candidates: int | None = None) -> Score
     request_id = doc.get("request_id")
     if request_id is not None and (not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID_CHARS):
         raise bad_request("invalid_field", f"request_id must be a string of at most {MAX_REQUEST_ID_CHARS} characters")
-    return ScoreQuery(user_id, request_time_ms, tuple(candidates), request_id)
+    events = None
+    if "events" in doc:
+        records = doc["events"]
+        if max_events is not None and isinstance(records, list) and len(records) > max_events:
+            raise RequestError(413, "too_many_events", f"user {user_id}: {len(records)} events, at most {max_events}")
+        events = parse_event_records(records, max_time_ms=max_time_ms, default_user_id=user_id)
+        other = events.user_id != user_id
+        if other.any():
+            i = int(other.argmax())
+            raise bad_request("invalid_event",
+                              f"events[{i}].user_id is {int(events.user_id[i])}, the request's user is {user_id}")
+    return ScoreQuery(user_id, request_time_ms, tuple(candidates), request_id, events)
+
+
+def parse_event_records(records: object, where: str = "events", max_time_ms: int | None = None,
+                        default_user_id: int | None = None) -> EventBatch:
+    """JSON event records -> EventBatch, or a 400 RequestError naming `where[i].field`.
+    `default_user_id` fills a record without a user_id (a score request's inline events)."""
+    if not isinstance(records, list):
+        raise bad_request("invalid_field", f"{where} must be a list of event objects")
+    if default_user_id is not None:
+        records = [{"user_id": default_user_id, **r} if isinstance(r, dict) and "user_id" not in r else r
+                   for r in records]
+    try:
+        return EventBatch.from_records(records, max_time_ms=max_time_ms)
+    except EventError as err:
+        raise bad_request("invalid_event", f"{where}: {err}") from None
 
 
 def _non_negative_int(value: object, field: str) -> int:

@@ -199,12 +199,12 @@ def test_bf16_session_close_to_fp32(setup, dtype):
 
 def _score_requests_for(dataset, indices):
     """The dataset's visits as ad-hoc requests: user, request time and the same candidates."""
-    from model.inference import ScoreRequest
+    from model.visit import Visit
 
     req, out = dataset.requests, []
     for i in indices:
         batch = dataset.make_batch(np.array([i]), np.array([0]), np.array([0]))
-        out.append(ScoreRequest(int(req.user_id[i]), int(req.time_ms[i]), batch.candidate_video_ids))
+        out.append(Visit(int(req.user_id[i]), int(req.time_ms[i]), batch.candidate_video_ids))
     return out
 
 
@@ -227,7 +227,7 @@ def test_score_equals_serve_for_the_same_visits_cached_and_full(setup):
     (lambda r: r.__class__(10**9, r.request_time_ms, r.candidate_video_ids), "user 1000000000 has no events"),
     (lambda r: r.__class__(r.user_id, 0, r.candidate_video_ids), "no events before request_time_ms=0"),
     (lambda r: r.__class__(r.user_id, r.request_time_ms, np.array([], dtype=np.int64)), "candidate_video_ids is empty"),
-    (lambda r: r.__class__(r.user_id, r.request_time_ms, np.array([3, -2])), "negative id"),
+    (lambda r: r.__class__(r.user_id, r.request_time_ms, np.array([3, -2])), "must be non-negative integers"),
 ])
 def test_bad_score_requests_are_refused_and_change_nothing(setup, change, message):
     dataset, cfg, model = setup

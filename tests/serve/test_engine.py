@@ -37,11 +37,11 @@ def offline_logits(artifacts, indices, batch_size=4) -> list[torch.Tensor]:
 def test_engine_scores_equal_the_offline_replay_and_report_reuse(serving_artifacts):
     engine = engine_for(serving_artifacts)
     try:
-        indices = engine.dataset.request_indices(max_requests=60)
+        indices = engine.history.request_indices(max_requests=60)
         expected = offline_logits(serving_artifacts, indices)
-        queries = visit_queries(engine.dataset, indices)
+        queries = visit_queries(engine.history, indices)
         results = []
-        for batch in engine.dataset.batches(indices, 5):
+        for batch in engine.history.batches(indices, 5):
             results += engine.score_batch([queries[int(np.flatnonzero(indices == i)[0])] for i in batch])
         for got, want in zip(results, expected):
             assert_logits_close(torch.tensor(got.logits), want)
@@ -68,8 +68,8 @@ def test_tiers_across_two_nodes_sharing_redis(serving_artifacts, private_redis_s
     a = engine_for(serving_artifacts, redis_url=private_redis_server.url)
     b = engine_for(serving_artifacts, redis_url=private_redis_server.url)
     try:
-        first, second, third, fourth = visit_queries(a.dataset, returning_user(a.dataset))
-        expected = offline_logits(serving_artifacts, returning_user(a.dataset), batch_size=1)
+        first, second, third, fourth = visit_queries(a.history, returning_user(a.history))
+        expected = offline_logits(serving_artifacts, returning_user(a.history), batch_size=1)
         got = [a.score_batch([first])[0]]
         assert got[0].cache.tier == "none"
         got.append(b.score_batch([second])[0])  # another node: reloads what `a` wrote through to Redis
@@ -88,21 +88,32 @@ def test_tiers_across_two_nodes_sharing_redis(serving_artifacts, private_redis_s
         b.shutdown()
 
 
-@pytest.mark.parametrize("change, code, message", [
-    (lambda q: ScoreQuery(10**9, q.request_time_ms, q.candidate_video_ids), "unknown_user", "user 1000000000 has no events"),
-    (lambda q: ScoreQuery(q.user_id, 0, q.candidate_video_ids), "no_history", "no events before request_time_ms=0"),
-    (lambda q: ScoreQuery(q.user_id, q.request_time_ms, tuple(range(9))), "too_many_candidates", "at most 8"),
-])
-def test_bad_queries_are_refused_before_the_cache(serving_artifacts, change, code, message):
+def test_too_many_candidates_is_refused_before_the_queue(serving_artifacts):
     engine = engine_for(serving_artifacts, max_candidates=8)
     try:
-        good = visit_queries(engine.dataset, engine.dataset.request_indices(max_requests=1))[0]
+        good = visit_queries(engine.history, engine.history.request_indices(max_requests=1))[0]
         engine.validate(good)
-        before = engine.cache.stats()
         with pytest.raises(RequestError) as caught:
-            engine.validate(change(good))
-        assert (caught.value.status, caught.value.code) == (422, code) and message in caught.value.message
-        assert engine.cache.stats() == before
+            engine.validate(ScoreQuery(good.user_id, good.request_time_ms, tuple(range(9))))
+        assert (caught.value.status, caught.value.code) == (422, "too_many_candidates")
+        assert "at most 8" in caught.value.message
+    finally:
+        engine.shutdown()
+
+
+def test_a_visit_without_history_fails_alone_and_its_batch_is_scored(serving_artifacts):
+    engine = engine_for(serving_artifacts)
+    try:
+        first, second = visit_queries(engine.history, engine.history.request_indices(max_requests=2))
+        alone = engine.score_batch([first])[0]
+        engine.reset_cache()
+        results = engine.score_batch([first, ScoreQuery(10**9, second.request_time_ms, second.candidate_video_ids)])
+        assert results[0].logits == alone.logits
+        assert isinstance(results[1], RequestError)
+        assert (results[1].status, results[1].code) == (422, "unknown_user")
+        assert "user 1000000000 has no events" in results[1].message
+        no_history = engine.score_batch([ScoreQuery(second.user_id, 0, second.candidate_video_ids)])[0]
+        assert (no_history.code, "no events before request_time_ms=0" in no_history.message) == ("no_history", True)
     finally:
         engine.shutdown()
 

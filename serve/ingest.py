@@ -1,0 +1,109 @@
+"""POST /events: a batch of logged events, parsed, checked and appended durably to the history store.
+
+    {"events": [{"user_id": 7, "video_id": 1234, "time_ms": 1650000000000, "is_click": 1}, ...],
+     "batch_id": "optional client id: a retried batch is applied once"}
+    -> 200 {"appended": 2, "duplicates": 0, "late": 0, "replayed": false}
+
+The answer comes only after the store made the events durable (history/base.py). Retrying after a
+timeout is always safe: an exact copy of a stored event stores nothing, and a `batch_id` seen before
+answers its first result again. Refusals name the event and the field (400 invalid_event), a batch
+over the limit is 413 too_many_events, a batch_id reused for other events 409 batch_conflict, a store
+that cannot be reached 503 history_unavailable; nothing is stored in any of these cases.
+Appends run on their own threads, never on the node's compute thread, so ingestion does not queue
+behind scoring (nor scoring behind a slow disk).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from history.base import AppendResult, BatchConflictError, HistoryStore, HistoryUnavailableError
+from history.events import EventBatch
+from serve.metrics import LATENCY_BUCKETS_S, Registry
+from serve.protocol import MAX_REQUEST_ID_CHARS, RequestError, bad_request, parse_event_records
+
+EVENTS_FIELDS = ("events", "batch_id")
+DEFAULT_MAX_EVENTS = 10_000
+DEFAULT_MAX_FUTURE_MS = 60_000  # clock skew a client may have: events further ahead are refused
+
+
+def parse_events_request(body: bytes, max_events: int = DEFAULT_MAX_EVENTS, max_time_ms: int | None = None
+                         ) -> tuple[EventBatch, str | None]:
+    """The events and batch_id of a POST /events body, or a RequestError."""
+    try:
+        doc = json.loads(body)
+    except ValueError as err:
+        raise bad_request("malformed_json", f"the request body is not valid JSON: {str(err)[:200]}") from None
+    except RecursionError:
+        raise bad_request("malformed_json", "the request body nests JSON too deeply") from None
+    if not isinstance(doc, dict):
+        raise bad_request("malformed_request", f"the request body must be a JSON object, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - set(EVENTS_FIELDS))
+    if unknown:
+        raise bad_request("unknown_field", f"unknown field(s) {unknown}; an events request has {list(EVENTS_FIELDS)}")
+    if "events" not in doc:
+        raise bad_request("missing_field", "missing field(s) ['events']")
+    records = doc["events"]
+    if isinstance(records, list) and len(records) > max_events:
+        raise RequestError(413, "too_many_events", f"{len(records)} events in one request, at most {max_events}")
+    batch_id = doc.get("batch_id")
+    if batch_id is not None and (not isinstance(batch_id, str) or not 0 < len(batch_id) <= MAX_REQUEST_ID_CHARS):
+        raise bad_request("invalid_field", f"batch_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters")
+    return parse_event_records(records, max_time_ms=max_time_ms), batch_id
+
+
+class IngestMetrics:
+    def __init__(self, registry: Registry) -> None:
+        self.events = registry.counter(
+            "hstu_history_events_total", "Events received, by outcome (appended, duplicate; late is a subset of "
+            "appended: older than their user's latest stored event).", ("outcome",))
+        self.appends = registry.counter("hstu_history_appends_total", "Appends to the history store, by result.",
+                                        ("result",))
+        self.seconds = registry.histogram("hstu_history_append_seconds", "Time to append durably.", LATENCY_BUCKETS_S)
+        for outcome in ("appended", "duplicate", "late"):
+            self.events.inc(0, outcome=outcome)
+        for result in ("ok", "replayed", "conflict", "unavailable"):
+            self.appends.inc(0, result=result)
+
+
+class Ingestor:
+    """Appends on a small thread pool; one `append` call per request (all or nothing)."""
+
+    def __init__(self, store: HistoryStore, registry: Registry, threads: int = 2,
+                 max_future_ms: int = DEFAULT_MAX_FUTURE_MS) -> None:
+        self.store = store
+        self.max_future_ms = max_future_ms
+        self.metrics = IngestMetrics(registry)
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ingest")
+
+    def max_time_ms(self) -> int:
+        """The latest event time accepted now."""
+        return int(time.time() * 1000) + self.max_future_ms
+
+    async def append(self, events: EventBatch, batch_id: str | None = None) -> AppendResult:
+        started = time.perf_counter()
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._executor, self.store.append, events, batch_id)
+        except BatchConflictError as err:
+            self.metrics.appends.inc(result="conflict")
+            raise RequestError(409, "batch_conflict", str(err)) from None
+        except HistoryUnavailableError as err:
+            self.metrics.appends.inc(result="unavailable")
+            raise RequestError(503, "history_unavailable", str(err)) from None
+        self.metrics.seconds.observe(time.perf_counter() - started)
+        self.metrics.appends.inc(result="replayed" if result.replayed else "ok")
+        if not result.replayed:
+            self.metrics.events.inc(result.appended, outcome="appended")
+            self.metrics.events.inc(result.duplicates, outcome="duplicate")
+            self.metrics.events.inc(result.late, outcome="late")
+        return result
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+def append_result_json(result: AppendResult) -> dict:
+    return {"appended": result.appended, "duplicates": result.duplicates, "late": result.late,
+            "replayed": result.replayed}
