@@ -99,6 +99,13 @@ class InferenceDataset(UserHistories):
         hi = max(lo, hi) if max_requests is None else min(max(lo, hi), lo + max_requests)
         return np.arange(lo, hi, dtype=np.int64)
 
+    def candidate_video_ids(self, indices: np.ndarray) -> list[np.ndarray]:
+        """The videos shown at each of these visits (its candidates), in the given order."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        req = self.requests
+        first = self._offsets[self._request_user_row[idx]] + req.end[idx]  # [n] first candidate event
+        return [self._video_ids[s:s + n] for s, n in zip(first.tolist(), req.num_candidates[idx].tolist())]
+
     def batches(self, indices: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
         """Cut `indices` into consecutive batches without reordering them: a batch ends when
         it is full or when the next request's user is already in it (a user's visits must

@@ -42,18 +42,25 @@ def bootstrap_from_output(store: HistoryStore, data_dir: Path | str, until_ms: i
     """Every event of a preprocessed output before `until_ms` (all when None), the user features and
     the manifest (the feature vocabularies a checkpoint is checked against)."""
     dataset = InferenceDataset(data_dir)
+    events = dataset_events(dataset)
+    if until_ms is not None:
+        events = events.take(events.time_ms < until_ms)
+    store.put_manifest(dataset.manifest)
+    arrays = dataset.event_arrays()
+    store.set_user_features(arrays.user_ids, arrays.user_features)
+    return _append_chunks(store, events, f"bootstrap {dataset.root}", progress)
+
+
+def dataset_events(dataset: InferenceDataset) -> EventBatch:
+    """Every event of a preprocessed dataset, in its order (by user, then time), keyed as described above."""
     events = dataset.event_arrays()
-    keep = np.ones(len(events.video_ids), dtype=bool) if until_ms is None else events.timestamps_ms < until_ms
     user = np.repeat(events.user_ids, np.diff(events.offsets))
-    columns = {"user_id": user[keep], "video_id": events.video_ids[keep], "time_ms": events.timestamps_ms[keep]}
-    key = EventBatch.from_columns(columns).key_columns
-    key[:, EVENT_KEY_COLUMNS.index("action_weights")] = events.action_weights[keep]
+    key = EventBatch.from_columns({"user_id": user, "video_id": events.video_ids, "time_ms": events.timestamps_ms}).key_columns
+    key[:, EVENT_KEY_COLUMNS.index("action_weights")] = events.action_weights
     for name in NOT_RECORDED:
         key[:, EVENT_KEY_COLUMNS.index(name)] = -1
     key[:, EVENT_KEY_COLUMNS.index("tab")] = -1 - _copy_rank(key)
-    store.put_manifest(dataset.manifest)
-    store.set_user_features(events.user_ids, events.user_features)
-    return _append_chunks(store, EventBatch(key), f"bootstrap {dataset.root}", progress)
+    return EventBatch(key)
 
 
 def bootstrap_from_logs(store: HistoryStore, raw_dir: Path | str, manifest: Manifest | None = None,

@@ -17,13 +17,9 @@ from serve.protocol import ScoreQuery
 def visit_queries(dataset: InferenceDataset, indices: np.ndarray) -> list[ScoreQuery]:
     """One query per request index, in the given order; request_id = the index."""
     idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-    req, events = dataset.requests, dataset.event_arrays()
-    first = events.offsets[dataset.user_rows(req.user_id[idx])] + req.end[idx]  # [n] first candidate event
-    out = []
-    for i, start, count in zip(idx.tolist(), first.tolist(), req.num_candidates[idx].tolist()):
-        videos = tuple(int(v) for v in events.video_ids[start:start + count])
-        out.append(ScoreQuery(int(req.user_id[i]), int(req.time_ms[i]), videos, request_id=str(i)))
-    return out
+    req = dataset.requests
+    return [ScoreQuery(int(req.user_id[i]), int(req.time_ms[i]), tuple(videos.tolist()), request_id=str(i))
+            for i, videos in zip(idx.tolist(), dataset.candidate_video_ids(idx))]
 
 
 def query_body(query: ScoreQuery) -> bytes:
