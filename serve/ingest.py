@@ -15,43 +15,13 @@ behind scoring (nor scoring behind a slow disk).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from history.base import AppendResult, BatchConflictError, HistoryStore, HistoryUnavailableError
 from history.events import EventBatch
 from serve.metrics import LATENCY_BUCKETS_S, Registry
-from serve.protocol import MAX_REQUEST_ID_CHARS, RequestError, bad_request, parse_event_records
-
-EVENTS_FIELDS = ("events", "batch_id")
-DEFAULT_MAX_EVENTS = 10_000
-DEFAULT_MAX_FUTURE_MS = 60_000  # clock skew a client may have: events further ahead are refused
-
-
-def parse_events_request(body: bytes, max_events: int = DEFAULT_MAX_EVENTS, max_time_ms: int | None = None
-                         ) -> tuple[EventBatch, str | None]:
-    """The events and batch_id of a POST /events body, or a RequestError."""
-    try:
-        doc = json.loads(body)
-    except ValueError as err:
-        raise bad_request("malformed_json", f"the request body is not valid JSON: {str(err)[:200]}") from None
-    except RecursionError:
-        raise bad_request("malformed_json", "the request body nests JSON too deeply") from None
-    if not isinstance(doc, dict):
-        raise bad_request("malformed_request", f"the request body must be a JSON object, got {type(doc).__name__}")
-    unknown = sorted(set(doc) - set(EVENTS_FIELDS))
-    if unknown:
-        raise bad_request("unknown_field", f"unknown field(s) {unknown}; an events request has {list(EVENTS_FIELDS)}")
-    if "events" not in doc:
-        raise bad_request("missing_field", "missing field(s) ['events']")
-    records = doc["events"]
-    if isinstance(records, list) and len(records) > max_events:
-        raise RequestError(413, "too_many_events", f"{len(records)} events in one request, at most {max_events}")
-    batch_id = doc.get("batch_id")
-    if batch_id is not None and (not isinstance(batch_id, str) or not 0 < len(batch_id) <= MAX_REQUEST_ID_CHARS):
-        raise bad_request("invalid_field", f"batch_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters")
-    return parse_event_records(records, max_time_ms=max_time_ms), batch_id
+from serve.protocol import DEFAULT_MAX_FUTURE_MS, RequestError
 
 
 class IngestMetrics:

@@ -110,10 +110,13 @@ def child_env(torch_threads: int = 1) -> dict[str, str]:
             "OMP_NUM_THREADS": str(torch_threads), "MKL_NUM_THREADS": str(torch_threads)}
 
 
-def start_node(data_dir: Path | str, checkpoint: Path | str, log_dir: Path | str, redis_url: str | None = None,
-               port: int | None = None, extra_args: Sequence[str] = (), name: str | None = None) -> Service:
+def start_node(data_dir: Path | str | None, checkpoint: Path | str, log_dir: Path | str, redis_url: str | None = None,
+               port: int | None = None, extra_args: Sequence[str] = (), name: str | None = None,
+               history_store: str | None = None) -> Service:
+    """A node over `history_store` (a URL: live events) or, when None, over the dataset in `data_dir`."""
     port = port or free_port()
-    args = [sys.executable, "-m", "serve.node", "--data_dir", str(data_dir), "--checkpoint", str(checkpoint),
+    source = ["--history_store", history_store] if history_store is not None else ["--data_dir", str(data_dir)]
+    args = [sys.executable, "-m", "serve.node", *source, "--checkpoint", str(checkpoint),
             "--port", str(port), *(["--redis_url", redis_url] if redis_url else []), *extra_args]
     name = name or f"node-{port}"
     return Service(name, args, port, Path(log_dir) / f"{name}.log", child_env())

@@ -31,10 +31,10 @@ from aiohttp import web
 
 from serve.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
 from serve.http_app import serve_until_signal
-from serve.ingest import DEFAULT_MAX_EVENTS, Ingestor, append_result_json, parse_events_request
+from serve.ingest import Ingestor, append_result_json
 from serve.locality_index import TIERS
 from serve.metrics import BATCH_SIZE_BUCKETS, CONTENT_TYPE, LATENCY_BUCKETS_S, Registry
-from serve.protocol import RequestError, ScoredVisit, ScoreQuery, parse_score_request
+from serve.protocol import DEFAULT_MAX_EVENTS, RequestError, ScoredVisit, ScoreQuery, parse_events_request, parse_score_request
 
 log = logging.getLogger("serve.node")
 MAX_BODY_BYTES = 1 << 20  # a request body over this is refused with 413 (as at the router)

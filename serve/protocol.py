@@ -28,6 +28,9 @@ MAX_ID = 2**63 - 1  # ids and times are int64 on the node
 FIELDS = ("user_id", "request_time_ms", "candidate_video_ids", "request_id", "events")
 REQUIRED = ("user_id", "request_time_ms", "candidate_video_ids")
 MAX_REQUEST_ID_CHARS = 200
+EVENTS_FIELDS = ("events", "batch_id")
+DEFAULT_MAX_EVENTS = 10_000
+DEFAULT_MAX_FUTURE_MS = 60_000  # clock skew a client may have: events further ahead are refused
 
 
 class RequestError(Exception):
@@ -125,6 +128,31 @@ def parse_event_records(records: object, where: str = "events", max_time_ms: int
         return EventBatch.from_records(records, max_time_ms=max_time_ms)
     except EventError as err:
         raise bad_request("invalid_event", f"{where}: {err}") from None
+
+
+def parse_events_request(body: bytes, max_events: int = DEFAULT_MAX_EVENTS, max_time_ms: int | None = None
+                         ) -> tuple[EventBatch, str | None]:
+    """The events and batch_id of a POST /events body, or a RequestError."""
+    try:
+        doc = json.loads(body)
+    except ValueError as err:
+        raise bad_request("malformed_json", f"the request body is not valid JSON: {str(err)[:200]}") from None
+    except RecursionError:
+        raise bad_request("malformed_json", "the request body nests JSON too deeply") from None
+    if not isinstance(doc, dict):
+        raise bad_request("malformed_request", f"the request body must be a JSON object, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - set(EVENTS_FIELDS))
+    if unknown:
+        raise bad_request("unknown_field", f"unknown field(s) {unknown}; an events request has {list(EVENTS_FIELDS)}")
+    if "events" not in doc:
+        raise bad_request("missing_field", "missing field(s) ['events']")
+    records = doc["events"]
+    if isinstance(records, list) and len(records) > max_events:
+        raise RequestError(413, "too_many_events", f"{len(records)} events in one request, at most {max_events}")
+    batch_id = doc.get("batch_id")
+    if batch_id is not None and (not isinstance(batch_id, str) or not 0 < len(batch_id) <= MAX_REQUEST_ID_CHARS):
+        raise bad_request("invalid_field", f"batch_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters")
+    return parse_event_records(records, max_time_ms=max_time_ms), batch_id
 
 
 def _non_negative_int(value: object, field: str) -> int:

@@ -5,6 +5,7 @@
 
     POST /score    -> the chosen node's answer (header X-Routed-To: node id) | 400 malformed | 503 no node,
                       or 503 "overloaded" (a node's answer) when every node that answered is busy
+    POST /events   -> a node's answer (it appends to the history store the nodes share) | 400 malformed
     GET  /health   -> 200 {"status": "ok", "policy", "nodes": [...]} | 503 when no node is up
     GET  /metrics  -> Prometheus text
     GET  /route/{user_id} -> where a request of the user would go now, and why (nothing is forwarded)
@@ -40,7 +41,7 @@ from serve.locality_index import Holding, LocalityIndexReader
 from serve.metrics import CONTENT_TYPE, FINE_LATENCY_BUCKETS_S, LATENCY_BUCKETS_S, Registry
 from serve.node_pool import NodePool, NodeState, parse_addresses
 from serve.policies import POLICY_NAMES, NodeView, RoutingPolicy, make_policy
-from serve.protocol import MAX_ID, RequestError, parse_score_request
+from serve.protocol import DEFAULT_MAX_EVENTS, MAX_ID, RequestError, parse_events_request, parse_score_request
 
 log = logging.getLogger("serve.router")
 RETRY_ELSEWHERE = ("overloaded", "shutting_down")  # 503 codes of a node that another node may serve
@@ -70,13 +71,14 @@ class RouterMetrics:
 class Router:
     def __init__(self, pool: NodePool, policy: RoutingPolicy, redis_url: str | None = None,
                  forward_timeout_s: float = 30.0, probe_interval_s: float = 0.5,
-                 request_deadline_s: float | None = None) -> None:
+                 request_deadline_s: float | None = None, max_events: int = DEFAULT_MAX_EVENTS) -> None:
         if policy.uses_index and redis_url is None:
             raise ValueError(f"policy {policy.name} reads the locality index: give --redis_url")
         self.pool = pool
         self.policy = policy
         self.redis_url = redis_url
         self.forward_timeout_s = forward_timeout_s
+        self.max_events = max_events
         # every attempt of one request together, failovers included (default: one forward's timeout)
         self.request_deadline_s = forward_timeout_s if request_deadline_s is None else request_deadline_s
         self._connections = {n.address: NodeConnections(*_host_port(n.address)) for n in pool.nodes}
@@ -96,6 +98,7 @@ class Router:
     def routes(self) -> Routes:
         routes = Routes()
         routes.add("POST", "/score", self.score)
+        routes.add("POST", "/events", self.events)
         routes.add("GET", "/health", self.health)
         routes.add("GET", "/metrics", self.metrics_text)
         routes.add_prefix("GET", "/route/", self.route)
@@ -104,11 +107,26 @@ class Router:
     # ------------------------------------------------------------------ handlers
     async def score(self, request: Request) -> Response:
         arrived = time.perf_counter()
-        body = request.body
         try:
-            query = parse_score_request(body)
+            query = parse_score_request(request.body, max_events=self.max_events)
         except RequestError as err:
             return self._answer_error(err)
+        return await self._forward("/score", request.body, query.user_id, arrived)
+
+    async def events(self, request: Request) -> Response:
+        """To the node the first event's user would be scored on: any node appends to the shared store,
+        and a retry on another node after a failed forward stores nothing twice."""
+        arrived = time.perf_counter()
+        try:
+            events, _ = parse_events_request(request.body, self.max_events)
+        except RequestError as err:
+            return self._answer_error(err)
+        if not len(events):
+            return Response.json({"appended": 0, "duplicates": 0, "late": 0, "replayed": False})
+        return await self._forward("/events", request.body, int(events.user_id[0]), arrived)
+
+    async def _forward(self, path: str, body: bytes, user_id: int, arrived: float) -> Response:
+        """Forward to the node the policy picks for `user_id`; on a failed or refused forward, to the next."""
         tried: set[str] = set()
         overloaded: tuple[NodeState, int, bytes] | None = None  # the last node that said so
         while True:
@@ -126,13 +144,13 @@ class Router:
             if remaining <= 0:
                 message = f"no node answered within {self.request_deadline_s:g} s (tried {', '.join(sorted(tried))})"
                 return self._answer_error(RequestError(504, "deadline_exceeded", message))
-            node, _ = await self._choose(query.user_id, live)
+            node, _ = await self._choose(user_id, live)
             tried.add(node.node_id)  # never the same node twice for one visit: it may have scored it
             sent = time.perf_counter()
             try:
                 async with self.pool.forwarding(node) as forward:
                     status, payload = await self._connections[node.address].post(
-                        "/score", body, min(self.forward_timeout_s, remaining))
+                        path, body, min(self.forward_timeout_s, remaining))
             except ForwardError as err:
                 self.pool.mark_down(node, f"forward failed: {err}")
                 self._connections[node.address].close()
