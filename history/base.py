@@ -54,6 +54,10 @@ def batch_digest(events: EventBatch) -> bytes:
 class HistoryStore(ABC):
     """Every user's events. Thread-safe: appends and reads may come from any thread."""
 
+    # Calls into the backing database made by `read` and `counts` (a statement, or a pipeline to a
+    # server): what serving a visit costs the store; implementations count their own.
+    read_round_trips: int = 0
+
     # ------------------------------------------------------------ the contract
     @abstractmethod
     def append(self, events: EventBatch, batch_id: str | None = None) -> AppendResult:

@@ -151,6 +151,7 @@ class SQLiteHistoryStore(HistoryStore):
                 lengths.append(len(part))
             features = self._features(conn, users)
             conn.execute("COMMIT")
+            self.read_round_trips += len(users) + 4  # BEGIN, one per user, manifest + features, COMMIT
         except sqlite3.Error as err:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -191,6 +192,7 @@ class SQLiteHistoryStore(HistoryStore):
                     "GROUP BY q.i", params).fetchall()
                 for i, *row in rows:
                     out[i] = row
+                self.read_round_trips += 1
         except sqlite3.Error as err:
             raise HistoryUnavailableError(f"{self.description}: counters read failed: {err}") from err
         return out[inverse.reshape(-1)]

@@ -63,6 +63,14 @@ class ScoreClient:
         """POST /score through any router; RequestError for a refusal (4xx), RoutersUnavailableError after the deadline."""
         request = dict(request)
         request.setdefault("request_id", uuid.uuid4().hex)
+        return self._send("/score", request, request["request_id"])
+
+    def events(self, events: list[dict], batch_id: str | None = None) -> ClientAnswer:
+        """POST /events through any router, retried like `score`: every attempt carries the same batch_id
+        (made up when None), so a batch that was stored before its answer was lost is not stored twice."""
+        return self._send("/events", {"events": events, "batch_id": batch_id or uuid.uuid4().hex}, None)
+
+    def _send(self, path: str, request: dict, request_id: str | None) -> ClientAnswer:
         body = json.dumps(request, separators=(",", ":")).encode()
         with self._lock:
             start = next(self._next_start)
@@ -74,14 +82,14 @@ class ScoreClient:
             attempt += 1
             index = (start + attempt - 1) % len(self.routers)
             try:
-                status, answer = self._post(self.routers[index], body)
+                status, answer = self._post(self.routers[index], path, body)
             except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out, closed early
                 failures.append(f"{self.urls[index]}: {type(err).__name__}: {err}")
             else:
                 if status == 200:
-                    if answer.get("request_id") != request["request_id"]:
+                    if request_id is not None and answer.get("request_id") != request_id:
                         raise RuntimeError(f"{self.urls[index]} answered request {answer.get('request_id')!r} "
-                                           f"to request {request['request_id']!r}")
+                                           f"to request {request_id!r}")
                     return ClientAnswer(answer, self.urls[index], attempt)
                 error = answer.get("error") if isinstance(answer.get("error"), dict) else {}
                 if status != 503:
@@ -89,16 +97,16 @@ class ScoreClient:
                 failures.append(f"{self.urls[index]}: 503 {error.get('code')}")
             if time.monotonic() >= deadline:
                 raise RoutersUnavailableError(
-                    f"request {request['request_id']}: no router answered in {self.deadline_s:g} s "
+                    f"{path} request {request_id or request['batch_id']}: no router answered in {self.deadline_s:g} s "
                     f"({attempt} attempts; last: {failures[-1]})")
             if attempt % len(self.routers) == 0:  # every router failed this round: back off before the next
                 time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
                 backoff = min(backoff * 2, self.max_backoff_s)
 
-    def _post(self, host_port: tuple[str, int], body: bytes) -> tuple[int, dict]:
+    def _post(self, host_port: tuple[str, int], path: str, body: bytes) -> tuple[int, dict]:
         conn = http.client.HTTPConnection(*host_port, timeout=self.timeout_s)
         try:
-            conn.request("POST", "/score", body, {"Content-Type": "application/json"})
+            conn.request("POST", path, body, {"Content-Type": "application/json"})
             response = conn.getresponse()
             raw = response.read()
         finally:

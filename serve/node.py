@@ -89,6 +89,10 @@ class Node:
         self.registry = Registry()
         self.metrics = NodeMetrics(self.registry)
         self.ingestor = Ingestor(engine.store, self.registry) if engine.store is not None else None
+        if engine.store is not None:
+            self.registry.gauge_callback(
+                "hstu_history_read_round_trips", "Calls into the history store made to read visits' histories "
+                "and counters (statements or server round trips).", lambda: engine.store.read_round_trips)
         self.batcher = DynamicBatcher(self._run_batch, key=lambda q: q.user_id, max_batch_size=max_batch_size,
                                       max_wait_s=max_wait_s, max_queue=max_queue, executor=self.executor)
         self.registry.gauge_callback(
