@@ -105,12 +105,16 @@ class SQLiteHistoryStore(HistoryStore):
 
     def _insert(self, conn: sqlite3.Connection, events: EventBatch) -> AppendResult:
         users = np.unique(events.user_id).tolist()
-        latest = dict(conn.execute(
-            f"SELECT user_id, MAX(time_ms) FROM events WHERE user_id IN ({', '.join('?' * len(users))}) GROUP BY user_id",
-            users).fetchall()) if users else {}
+        latest = {}
+        for lo in range(0, len(users), _MAX_QUERY_ROWS):  # MAX per user: one index probe each
+            chunk = users[lo:lo + _MAX_QUERY_ROWS]
+            latest.update(conn.execute(
+                f"WITH q(u) AS (VALUES {', '.join(['(?)'] * len(chunk))}) "
+                "SELECT u, (SELECT MAX(time_ms) FROM events WHERE user_id = q.u) FROM q", chunk).fetchall())
         # Events that would land inside their user's stored history are inserted one by one, to
         # count those actually stored; the others (live traffic's usual case) in one executemany.
-        user_latest = np.array([latest.get(u, np.iinfo(np.int64).min) for u in events.user_id.tolist()], np.int64)
+        never = np.iinfo(np.int64).min
+        user_latest = np.array([latest.get(u) or never for u in events.user_id.tolist()], np.int64)
         inside = events.time_ms < user_latest
         before = conn.total_changes
         late = sum(conn.execute(_INSERT, row).rowcount for row in events.key_columns[inside].tolist())
