@@ -28,6 +28,16 @@ class CacheVersion(NamedTuple):
 NOTHING = CacheVersion(0, 0, b"", FROM_HOST)
 
 
+class Residence(NamedTuple):
+    """Where a user's cached tokens are, from one lookup: what a visit is planned against (`version`)
+    and what reports where its reused K/V came from. Host entries are (start_pos, length)."""
+
+    version: CacheVersion  # the reusable tokens, as get_user_versions reports them
+    on_device: bool  # `version` is the device's committed tokens
+    own_host: tuple[int, int] | None  # what this manager's own host tiers hold (memory, disk); None: nothing
+    best_host: tuple[int, int] | None  # the best entry of any host tier, a shared one included
+
+
 def check_version(u: int, expected: CacheVersion, current: CacheVersion) -> None:
     """KVCacheStaleError unless the user's cached tokens are still the ones the caller planned against."""
     if not isinstance(expected, CacheVersion):

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .cache_version import CacheVersion
+from .cache_version import CacheVersion, Residence
 from .config import KVCacheConfig
 from .errors import KVCacheRequestError
 from .events import CacheEventListener, CacheEvents
@@ -141,6 +141,13 @@ class KVCacheManager:
         with self._lock:
             self._check_open()
             return [self._residency.version(u) for u in self._refusing(user_id_list, user_ids)]
+
+    def get_user_residences(self, user_ids: UserIds) -> list[Residence]:
+        """`get_user_versions` with where each user's tokens are (device, this node's host tiers, a shared
+        tier): one lookup per user that plans a visit and reports it (`kvcache.cache_version.Residence`)."""
+        with self._lock:
+            self._check_open()
+            return [self._residency.residence(u) for u in self._refusing(user_id_list, user_ids)]
 
     def get_user_tags(self, user_ids: UserIds) -> list[bytes]:
         """The tag stored with each user's cached tokens (the one `get_user_kvdata_info` reports on);

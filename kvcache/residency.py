@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from . import paged_kvcache_ops
-from .cache_version import FROM_HOST, NOTHING, CacheVersion
+from .cache_version import FROM_HOST, NOTHING, CacheVersion, Residence
 from .config import PageLayout
 from .events import CacheEvents
 from .metadata import token_slots
@@ -92,6 +92,18 @@ class Residency:
             return CacheVersion(res.start_pos, res.length, res.tag, res.generation)
         h = self.host.info(u) if res is None else None
         return CacheVersion(h.start_pos, h.length, h.tag, FROM_HOST) if h is not None else NOTHING
+
+    def residence(self, u: int) -> Residence:
+        """`version` and where it lives, asking the host tiers once (a device-resident user's best host
+        entry is what a stale device copy is measured against)."""
+        res = self.users.get(u)
+        if res is not None and res.length:
+            best = self.host.info(u)
+            return Residence(CacheVersion(res.start_pos, res.length, res.tag, res.generation), True, None, _span(best))
+        h = self.host.info(u) if res is None else None
+        if h is None:
+            return Residence(NOTHING, False, None, None)
+        return Residence(CacheVersion(h.start_pos, h.length, h.tag, FROM_HOST), False, _span(self.host.own_info(u)), _span(h))
 
     def read_kv(self, u: int, layer: int) -> tuple[Tensor, Tensor]:
         """The user's committed K and V of one layer, [length, H, D] copies on the device, from the
@@ -272,3 +284,7 @@ class Residency:
         for v, _ in result.evicted:
             if v not in self.users:
                 self._events.gone(v)
+
+
+def _span(entry: HostEntry | None) -> tuple[int, int] | None:
+    return None if entry is None or not entry.length else (entry.start_pos, entry.length)

@@ -26,14 +26,14 @@ from data.batch import VisitBatch
 from data.dataset import InferenceDataset
 from data.user_histories import UserHistories
 from kvcache import CacheVersion, KVCacheManager, KVCacheStaleError
-from kvcache.cache_version import NOTHING
+from kvcache.cache_version import NOTHING, Residence
 from model.cache_tag import window_tags
 from model.checkpoint import model_fingerprint as fingerprint_of
 from model.cuda_graphs import CUDAGraphs
 from model.kv_store import KVStore, PagedKV
 from model.recommender import HSTURecommender
 from model.token_layout import VisitPlan
-from model.visit import Visit, check_visits
+from model.visit import Visit, VisitCache, check_visits, visit_caches
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class VisitResult:
     labels: torch.Tensor | None  # [M, num_tasks] float32 on CPU (None for ad-hoc requests)
     tokens_computed: int  # history tokens (prefix included) and candidates run through the model
     tokens_reused: int  # history tokens read from the KV cache instead
+    caches: list[VisitCache]  # [B] each visit's plan: the tier its K/V came from, tokens reused / computed
 
 
 BatchMaker = Callable[[np.ndarray, np.ndarray], VisitBatch]  # (starts, window_starts) -> batch
@@ -166,6 +167,7 @@ class InferenceSession:
         if len(np.unique(user_ids)) != len(user_ids):
             raise ValueError("A batch may hold each user at most once (later visits depend on earlier ones)")
         layout = self.model.layout
+        residences = None
         if self.kv_cache is None:
             windows = layout.window_start(ends)
             batch = make_batch(windows, windows)
@@ -173,10 +175,15 @@ class InferenceSession:
                 logits = self._forward(batch, None)
             reused = 0
         else:
-            batch, logits, reused = self._serve_cached(user_ids, ends, make_batch, histories, after_prepare)
+            served = self._serve_cached(user_ids, ends, make_batch, histories, after_prepare)
+            batch, logits, reused, residences = served.batch, served.logits, served.tokens_reused, served.residences
             if self.offload_between_visits:
                 self.kv_cache.offload_kv_cache(user_ids.tolist())
         spans = layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
+        page_size, page_nbytes = ((self.kv_cache.config.page_size, self.kv_cache.config.page_layout.page_nbytes)
+                                  if self.kv_cache is not None else (1, 0))
+        caches = visit_caches(layout, ends, residences, spans.expected_cached_lengths,
+                              spans.history_lengths + batch.candidate_lengths, page_size, page_nbytes)
         return VisitResult(
             request_ids=batch.request_ids,
             user_ids=batch.user_ids,
@@ -186,6 +193,7 @@ class InferenceSession:
             labels=None if batch.labels is None else torch.from_numpy(batch.labels),
             tokens_computed=int(spans.history_lengths.sum() + batch.candidate_lengths.sum()),
             tokens_reused=reused,
+            caches=caches,
         )
 
     def _forward(self, batch: VisitBatch, kv: KVStore | None) -> torch.Tensor:
@@ -206,7 +214,7 @@ class InferenceSession:
             after_prepare=after_prepare,
         )
         self.tag_mismatches += served.tag_mismatches
-        return served.batch, served.logits, served.tokens_reused
+        return served
 
 
 TagFn = Callable[[np.ndarray, np.ndarray, np.ndarray], list[bytes]]  # (user_ids, window_starts, ends) -> tags
@@ -219,6 +227,7 @@ class CachedVisits:
     logits: torch.Tensor  # [M, num_tasks] on the model's device
     tokens_reused: int
     tag_mismatches: int
+    residences: list[Residence]  # [B] what each visit was planned against
 
 
 def serve_through_cache(
@@ -242,7 +251,7 @@ def serve_through_cache(
     layout, users = model.layout, user_ids.tolist()
     forward = forward or model
     for attempt in range(1, MAX_PLAN_ATTEMPTS + 1):
-        plan, mismatches, versions = _plan(layout, cache, user_ids, ends, tags)
+        plan, mismatches, versions, residences = _plan(layout, cache, user_ids, ends, tags)
         batch = make_batch(plan.starts, plan.window_starts)
         spans = layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
         try:
@@ -265,17 +274,18 @@ def serve_through_cache(
             cache.rollback(meta)
             raise
         cache.commit(meta)
-        return CachedVisits(batch, logits, int(spans.expected_cached_lengths.sum()), mismatches)
+        return CachedVisits(batch, logits, int(spans.expected_cached_lengths.sum()), mismatches, residences)
     raise AssertionError("unreachable")
 
 
 def _plan(layout, cache: KVCacheManager, user_ids: np.ndarray, ends: np.ndarray, tags: TagFn | None
-          ) -> tuple[VisitPlan, int, list[CacheVersion]]:
+          ) -> tuple[VisitPlan, int, list[CacheVersion], list[Residence]]:
     """What each visit computes: the events after what the cache holds for this window, when the
     cached data is exactly this window's first tokens (and carries the tag of their events);
     otherwise the cached data is dropped and the window computed from its start. Also the cache
     versions the plan stands on, for the prepare to check (a same-length rewrite included)."""
-    versions = cache.get_user_versions(user_ids.tolist())
+    residences = cache.get_user_residences(user_ids.tolist())
+    versions = [r.version for r in residences]
     cached_start = np.array([v.start_pos for v in versions], dtype=np.int64)
     cached_len = np.array([v.length for v in versions], dtype=np.int64)
     plan = layout.plan(ends, cached_start, cached_len)
@@ -295,4 +305,4 @@ def _plan(layout, cache: KVCacheManager, user_ids: np.ndarray, ends: np.ndarray,
         for i in dropped:  # planned from nothing: whatever another caller caches meanwhile makes the prepare stale
             versions[i] = NOTHING
         plan = VisitPlan(plan.window_starts, np.where(drop, plan.window_starts, plan.starts), invalidate=drop)
-    return plan, mismatches, versions
+    return plan, mismatches, versions, residences

@@ -17,6 +17,8 @@ import numpy as np
 
 from history.events import EventBatch
 
+DEVICE, HOST, SHARED, NONE = "device", "host", "shared", "none"  # where a visit's reused K/V came from
+
 
 @dataclass(frozen=True)
 class Visit:
@@ -48,3 +50,38 @@ def check_visits(visits: Sequence[Visit]) -> EventBatch | None:
                                  f"belongs to user {int(events.user_id[other][0])}")
             batches.append(events)
     return EventBatch.concat(batches) if batches else None
+
+
+@dataclass(frozen=True)
+class VisitCache:
+    """Where a visit's reused K/V came from and what it cost (tokens: cache positions)."""
+
+    tier: str  # DEVICE | HOST (this node's own host tiers) | SHARED (reloaded from a shared tier) | NONE
+    tokens_reused: int  # history tokens read from the cache
+    tokens_computed: int  # history tokens (prefix included) and candidates run through the model
+    tokens_recomputed: int  # of the computed history tokens, those a host tier held (a stale device copy)
+    shared_reload_bytes: int  # K/V bytes reloaded from the shared tier
+
+
+def visit_caches(layout, ends: np.ndarray, residences: Sequence | None, reused: np.ndarray, computed: np.ndarray,
+                 page_size: int, page_nbytes: int) -> list[VisitCache]:
+    """Each visit's `VisitCache`, from the plan it was served with: `residences` (kvcache `Residence`s
+    the plan was made from; None: no cache), `reused` / `computed` tokens per visit [B]."""
+    if residences is None:
+        return [VisitCache(NONE, 0, int(c), 0, 0) for c in computed.tolist()]
+    best = np.array([r.best_host or (0, 0) for r in residences], dtype=np.int64).reshape(-1, 2)
+    could = layout.visit_spans(ends, best[:, 0], best[:, 1]).expected_cached_lengths  # [B] from the best host entry
+    out = []
+    for b, r in enumerate(residences):
+        got, recomputed, reload_bytes = int(reused[b]), 0, 0
+        if r.on_device:
+            tier = DEVICE if got else NONE
+            recomputed = max(0, int(could[b]) - got) if r.best_host else 0
+        elif not got:
+            tier = NONE
+        elif r.own_host == (r.version.start_pos, r.version.length):
+            tier = HOST
+        else:
+            tier, reload_bytes = SHARED, -(-r.version.length // page_size) * page_nbytes
+        out.append(VisitCache(tier, got, int(computed[b]), recomputed, reload_bytes))
+    return out

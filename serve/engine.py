@@ -11,8 +11,8 @@ Per visit it reports what a capacity planner and the router's evaluation need: t
 reused K/V came from (this node's device or host memory, the shared Redis tier, or none), the
 tokens reused, computed and *recomputed* (history tokens the visit computed although a tier
 this node can see held them: a stale copy on the device while the shared tier held more), and
-the bytes reloaded from the shared tier. These are planned with the same pure functions the
-session plans with (`TokenLayout.plan` / `spans`), before the visit runs.
+the bytes reloaded from the shared tier. The session returns them with the logits
+(`VisitResult.caches`): each visit is planned once, from one lookup of its user in the cache.
 """
 from __future__ import annotations
 
@@ -38,9 +38,8 @@ from kvcache import (
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
 from model.inference import HistorySource, InferenceSession
 from model.recommender import HSTURecommender
-from model.visit import Visit
-from serve.locality_index import DEVICE, HOST, NONE, SHARED
-from serve.protocol import RequestError, ScoreQuery, VisitCache, unprocessable
+from model.visit import Visit, VisitCache
+from serve.protocol import RequestError, ScoreQuery, unprocessable
 
 log = logging.getLogger(__name__)
 
@@ -69,27 +68,18 @@ class EngineResult:
 
 
 class CacheLocations:
-    """The cache's event listener: which users are on the device now; passes the events on to
-    its subscribers (the locality index's publisher). Runs under the cache's lock."""
+    """The cache's event listener: passes the events on to its subscribers (the locality index's
+    publisher), which may come after the cache is built. Runs under the cache's lock."""
 
     def __init__(self) -> None:
-        self._on_device: set[int] = set()
         self._subscribers: list[CacheEventListener] = []
 
     def subscribe(self, listener: CacheEventListener) -> None:
         self._subscribers.append(listener)
 
     def __call__(self, events: list[CacheEvent]) -> None:
-        for event in events:
-            if event.location.value == DEVICE:
-                self._on_device.add(event.user_id)
-            else:
-                self._on_device.discard(event.user_id)
         for listener in self._subscribers:
             listener(events)
-
-    def on_device(self, user_id: int) -> bool:
-        return user_id in self._on_device
 
 
 class ScoringEngine:
@@ -115,9 +105,6 @@ class ScoringEngine:
             model, history, kv_cache=cache, model_fingerprint=self.fingerprint,
             offload_between_visits=config.offload_each_visit,
         )
-        self._layout = model.layout
-        self._page_nbytes = cache.config.page_layout.page_nbytes
-        self._page_size = cache.config.page_size
 
     # ------------------------------------------------------------------ checks (event loop thread)
     def validate(self, query: ScoreQuery) -> None:
@@ -160,8 +147,6 @@ class ScoringEngine:
         return out
 
     def _score(self, histories: UserHistories, queries: list[ScoreQuery], ends: np.ndarray) -> list[EngineResult]:
-        users = np.array([q.user_id for q in queries], dtype=np.int64)
-        visits_cache = self._account(users, ends, [len(q.candidate_video_ids) for q in queries])
         visits = [Visit(q.user_id, q.request_time_ms, np.asarray(q.candidate_video_ids, dtype=np.int64)) for q in queries]
         try:
             result = self.session.score_over(histories, visits)
@@ -170,45 +155,12 @@ class ScoringEngine:
                 raise
             log.warning("a batch of %d visits does not fit the device pool: serving it one visit at a time", len(queries))
             return [self._score(histories, [q], ends[b:b + 1])[0] for b, q in enumerate(queries)]
-        reused = sum(v.tokens_reused for v in visits_cache)
-        if reused != result.tokens_reused:  # a cached window whose tag no longer matched was recomputed
-            log.info("visit accounting: planned %d reused tokens, the session reused %d", reused, result.tokens_reused)
         logits = result.logits.numpy()
         offsets = np.concatenate([[0], np.cumsum(result.candidate_lengths)])
         return [
-            EngineResult(logits[offsets[b]:offsets[b + 1]].tolist(), int(ends[b]), visits_cache[b])
+            EngineResult(logits[offsets[b]:offsets[b + 1]].tolist(), int(ends[b]), result.caches[b])
             for b in range(len(queries))
         ]
-
-    def _account(self, users: np.ndarray, ends: np.ndarray, num_candidates: list[int]) -> list[VisitCache]:
-        """Where each visit's reusable K/V are and what it will compute (before it runs)."""
-        starts, lengths = (t.numpy() for t in self.cache.get_user_kvdata_info(users.tolist()))
-        reused, history = self._reusable(ends, starts, lengths)
-        out = []
-        for b, u in enumerate(users.tolist()):
-            recomputed, reload_bytes = 0, 0
-            if self.locations.on_device(u):
-                tier = DEVICE if reused[b] else NONE
-                best = self.storage.info(u)  # the host tiers (the shared one included) may hold more
-                if best is not None:
-                    other, _ = self._reusable(ends[b:b + 1], np.array([best.start_pos]), np.array([best.length]))
-                    recomputed = max(0, int(other[0]) - int(reused[b]))
-            elif not reused[b]:
-                tier = NONE
-            else:
-                mine = self.storage.own_info(u)
-                if mine is not None and (mine.start_pos, mine.length) == (int(starts[b]), int(lengths[b])):
-                    tier = HOST
-                else:
-                    tier = SHARED
-                    reload_bytes = -(-int(lengths[b]) // self._page_size) * self._page_nbytes
-            out.append(VisitCache(tier, int(reused[b]), int(history[b]) + num_candidates[b], recomputed, reload_bytes))
-        return out
-
-    def _reusable(self, ends: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """-> (tokens reused, history tokens computed) of visits ending at `ends` given cached (start, length)."""
-        spans = self._layout.visit_spans(ends, starts, lengths)
-        return spans.expected_cached_lengths, spans.history_lengths
 
     # ------------------------------------------------------------------ lifecycle
     def warm_up(self) -> None:

@@ -20,9 +20,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from data.schema import TASKS
 from history.events import EventBatch, EventError
+
+if TYPE_CHECKING:  # model/ imports torch, which the router never loads
+    from model.visit import VisitCache
 
 MAX_ID = 2**63 - 1  # ids and times are int64 on the node
 FIELDS = ("user_id", "request_time_ms", "candidate_video_ids", "request_id", "events")
@@ -164,17 +168,6 @@ def _non_negative_int(value: object, field: str) -> int:
 def _show(value: object) -> str:
     text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-@dataclass(frozen=True)
-class VisitCache:
-    """Where a visit's reused K/V came from and what it cost (tokens: cache positions)."""
-
-    tier: str  # "device" | "host" (this node's) | "shared" (Redis, reloaded) | "none" (computed)
-    tokens_reused: int  # history tokens read from the cache
-    tokens_computed: int  # history tokens (prefix included) and candidates run through the model
-    tokens_recomputed: int  # of the computed history tokens, those a tier visible to this node held
-    shared_reload_bytes: int  # K/V bytes reloaded from the shared tier
 
 
 @dataclass(frozen=True)

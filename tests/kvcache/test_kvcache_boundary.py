@@ -86,3 +86,29 @@ def test_bad_user_ids_are_refused_by_every_call_and_change_nothing(users, messag
         with pytest.raises(KVCacheRequestError, match="is not an integer in"):
             mgr.read_times(one)
     mgr.check_invariants()
+
+
+class _SharedMemory(InMemoryHostStorage):
+    """A host tier every manager of the test sees (what Redis is to nodes)."""
+
+    shared = True
+
+
+def test_one_residence_lookup_says_what_is_reusable_and_where():
+    shared = _SharedMemory(1 << 20)
+    a, b = KVCacheManager(CFG, host_storage=shared), KVCacheManager(CFG, host_storage=shared)
+    serve(a, [5], [0], [6])
+    a.offload_kv_cache([5])
+    (on_a,) = a.get_user_residences([5])
+    assert on_a.version == a.get_user_versions([5])[0] and on_a.on_device
+    assert on_a.best_host == (0, 6) and on_a.own_host is None  # a shared tier is nobody's own
+    (on_b,) = b.get_user_residences([5])  # the other node sees the shared copy only
+    assert not on_b.on_device and on_b.own_host is None and on_b.best_host == (0, 6)
+    assert on_b.version == CacheVersion(0, 6, b"", 0)
+    own = KVCacheManager(CFG, host_storage=InMemoryHostStorage(1 << 20))
+    serve(own, [9], [0], [5])
+    own.offload_kv_cache([9])
+    own.evict_kv_cache([9])
+    (evicted,) = own.get_user_residences([9])
+    assert not evicted.on_device and evicted.own_host == evicted.best_host == (0, 5)
+    assert own.get_user_residences([1]) == [(CacheVersion(0, 0, b"", 0), False, None, None)]
