@@ -1,8 +1,8 @@
 """KuaiRand-1K data: raw schema and loader, synthetic generator, preprocessing, dataset.
 
-Exports resolve lazily (PEP 562): the preprocessing CLI and the generator need only
-numpy/pyarrow, so `import data.preprocess` does not pay for importing torch; the
-torch-facing names (VisitBatch, InferenceDataset, ...) import it on first use.
+Exports resolve lazily (PEP 562) and the data layer is numpy/pyarrow only (torch is imported
+by the one device-side helper, `offsets_from_lengths`, when it is called), so the preprocessing
+CLI, the generator and the history stores' tools never pay for importing torch.
 The entry points are functions in their own modules (`data.preprocess.preprocess`,
 `data.synthetic.generate`): a package attribute named like a submodule gets shadowed.
 """

@@ -6,8 +6,12 @@ side uses fbgemm's `asynchronous_complete_cumsum` (CPU and CUDA kernels, no host
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch only for the device-side helper: the history stores and their tools run without it
+    import torch
 
 
 def offsets(lengths: np.ndarray) -> np.ndarray:
@@ -44,6 +48,7 @@ def concat_rows(first_lengths: np.ndarray, second_lengths: np.ndarray) -> tuple[
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """Device side: [B] lengths -> [B + 1] offsets (fbgemm; no host sync on CUDA)."""
     import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+    import torch
 
     return torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.to(torch.int64))
 

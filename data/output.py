@@ -48,11 +48,12 @@ class _Leftover:
     token: str  # shared by the tmp and old directories of one run
 
 
-def check_target(out: Path, input_dir: Path) -> None:
+def check_target(out: Path, input_dir: Path | None) -> None:
     """Refuse, without changing anything, an output directory that is unsafe to replace: a
-    symlink or a file; the input directory, inside it or holding it; a non-empty directory
-    that is not a previous output or holds files besides one; one that another run is writing
-    right now, or beside which a killed run left files that are not its own."""
+    symlink or a file; the input directory (or file), inside it or holding it (None: an input
+    elsewhere, a history store's server); a non-empty directory that is not a previous output or
+    holds files besides one; one that another run is writing right now, or beside which a killed
+    run left files that are not its own."""
     _check_out_dir(out, input_dir)
     for leftover in _leftovers(out):
         _refuse_foreign_entries(leftover.path, "refusing to touch a leftover of an interrupted run that holds")
@@ -63,7 +64,7 @@ def check_target(out: Path, input_dir: Path) -> None:
             )
 
 
-def replace_output(out: Path, write: Callable[[Path], None], input_dir: Path) -> None:
+def replace_output(out: Path, write: Callable[[Path], None], input_dir: Path | None) -> None:
     """Write a new output with `write(directory)` (manifest last) and swap it in for `out`.
 
     Leftovers of killed runs are repaired first. On any error the new files are removed and
@@ -139,12 +140,12 @@ def _remove_output_dir(directory: Path) -> None:
         raise OutputDirError(f"{directory}: not removed, it holds files the preprocessor did not write") from err
 
 
-def _check_out_dir(out: Path, input_dir: Path) -> None:
+def _check_out_dir(out: Path, input_dir: Path | None) -> None:
     if out.is_symlink():
         raise OutputDirError(f"{out}: output directory is a symbolic link; give the directory it points to")
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"{out}: output path exists and is not a directory")
-    relation = _relation(out.resolve(), input_dir.resolve())
+    relation = None if input_dir is None else _relation(out.resolve(), input_dir.resolve())
     if relation is not None:
         raise OutputDirError(
             f"{out}: the output directory {relation} the input directory {input_dir}; "

@@ -20,25 +20,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from data import output, raw, schema
 from data.event_rules import DEDUP_COLUMNS, duplicate_mask, stable_order
-from data.manifest import Counts, FeatureVocab, Manifest, PreprocessParams
+from data.manifest import FeatureVocab, Manifest, PreprocessParams
+from data.output_files import Events, output_manifest, write_output
 from data.requests import split_requests
-
-
-@dataclass(frozen=True)
-class Events:
-    """Deduplicated events sorted by (user_id, time_ms). Per-event arrays are [E] int64."""
-
-    user_ids: np.ndarray  # [U] sorted distinct users
-    user_offsets: np.ndarray  # [U + 1] user u owns events [user_offsets[u], user_offsets[u + 1])
-    user_id: np.ndarray
-    video_id: np.ndarray
-    time_ms: np.ndarray
-    action_weights: np.ndarray
 
 
 def preprocess(
@@ -74,34 +62,14 @@ def preprocess(
         split = split_requests(events.user_id, events.time_ms, params.session_gap_ms, params.num_candidates)
         stage("encode user features")
         features, vocabs, feature_counts = encode_user_features(feature_table, events.user_ids)
-        counts = Counts(
-            rows_read=dict(zip(schema.STANDARD_LOGS, rows_read)),
-            **file_counts,
-            **feature_counts,
-            users=len(events.user_ids),
-            events=len(events.user_id),
-            visits=split.num_visits,
-            requests=len(split.requests),
-            users_without_requests=len(events.user_ids) - split.num_users_with_requests,
-        )
-        manifest = Manifest(
-            schema_version=schema.SCHEMA_VERSION,
-            params=params,
-            tasks=schema.TASKS,
-            counts=counts,
+        manifest = output_manifest(
+            params, events, split, vocabs,
             num_video_ids=int(events.video_id.max()) + 1,
-            user_features=vocabs,
             input_files={p.name: p.stat().st_size for p in (*log_paths, features_path)},
-        )
+            source_counts={"rows_read": dict(zip(schema.STANDARD_LOGS, rows_read)), **file_counts, **feature_counts},
+        )  # fmt: skip
         stage("write")
-        sequences = _sequences_table(events, features, vocabs)
-
-        def write(directory: Path) -> None:
-            pq.write_table(sequences, directory / schema.SEQUENCES_FILE, compression="zstd", use_dictionary=False)
-            pq.write_table(split.requests.to_arrow(), directory / schema.REQUESTS_FILE, compression="zstd")
-            (directory / schema.MANIFEST_FILE).write_text(manifest.to_json())  # last: marks the output complete
-
-        output.replace_output(out, write, src)
+        write_output(out, src, events, features, vocabs, split.requests, manifest)
     return manifest
 
 
@@ -232,27 +200,7 @@ def _encode_column(feature: schema.UserFeature, column: pa.ChunkedArray) -> tupl
     return ids, tuple(vocab.tolist())
 
 
-# ---------------------------------------------------------------- writing
-def _sequences_table(events: Events, features: np.ndarray, vocabs: tuple[FeatureVocab, ...]) -> pa.Table:
-    """One row per user: list<int64> columns built zero-copy from the flat arrays + offsets."""
-    large = events.user_offsets[-1] >= 2**31
-    offsets = pa.array(events.user_offsets, pa.int64() if large else pa.int32())
-    list_type = pa.LargeListArray if large else pa.ListArray
-
-    def as_list(values: np.ndarray) -> pa.Array:
-        return list_type.from_arrays(offsets, pa.array(values, pa.int64()))
-
-    columns = {
-        "user_id": pa.array(events.user_ids, pa.int64()),
-        "video_ids": as_list(events.video_id),
-        "action_weights": as_list(events.action_weights),
-        "timestamps": as_list(events.time_ms),
-    }
-    for j, vocab in enumerate(vocabs):
-        columns[vocab.name] = pa.array(features[:, j], pa.int64())
-    return pa.table(columns)
-
-
+# ---------------------------------------------------------------- progress
 @contextmanager
 def _stages(enabled: bool) -> Iterator:
     """A one-bar tqdm over the pipeline stages (stderr); `stage(name)` starts the next one."""
