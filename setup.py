@@ -23,7 +23,7 @@ setup(
     version="0.2.0",
     description="HSTU generative-recommender inference with a user-keyed paged KV cache",
     python_requires=">=3.10",
-    packages=find_packages(include=["data", "data.*", "model", "model.*", "kvcache", "kvcache.*", "serve", "serve.*", "history", "history.*"]),
+    packages=find_packages(include=[f"{p}{s}" for p in ("data", "model", "kvcache", "serve", "history") for s in ("", ".*")]),
     py_modules=["preprocessor_inference"],
     install_requires=_names("requirements.txt"),
     extras_require={
