@@ -8,8 +8,9 @@ A preprocessed output keeps only the columns the model reads (its events are dis
 every log column), so its events enter the store with the other log columns marked "not recorded":
 -1, and `tab` = -1 - k for the k-th of the user's events that agree on every recorded column, which
 keeps them distinct. A raw log row re-sent later with its original columns is therefore a new event
-to the store; bootstrap from the logs when such rows may arrive again. Both are appends like any other (idempotent, all or nothing per chunk): a bootstrap that was
-interrupted is finished by running it again.
+to the store; bootstrap from the logs when such rows may arrive again. Both are appends like any
+other (idempotent, all or nothing per chunk): a bootstrap that was interrupted is finished by running
+it again.
 """
 from __future__ import annotations
 
