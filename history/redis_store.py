@@ -13,8 +13,10 @@ The server:
   has no WAITAOF to ask for it per call). The constructor checks both with CONFIG GET and refuses a
   server without them; `require_fsync=False` skips the check, and then an acknowledged append may be
   lost when the server crashes. Settings changed on the server later are not noticed.
-* **Memory.** About 400 bytes per event (the dedup key, the user's entry, the video counters), so
-  KuaiRand-1K's 11.7M events take ~4.5 GiB; benchmark/history_ingest.py measures it.
+* **Memory.** About 400 bytes per event (its dedup key, its entry in the user's history, the video
+  counters): 10M events take ~4 GB. benchmark/history_ingest.py measures it.
+* **Time.** The script holds the server ~20-50 µs per event (while it runs, other clients wait), so
+  keep appends to a few thousand events: 50,000 take 1-2 s.
 
 Keys (`P` = the namespace; ids in decimal; "int64" packed big-endian):
     P:seq               arrival counter: an append takes one number per event (INCRBY)
@@ -58,13 +60,14 @@ _COUNT_BITS = np.array([TASKS.index(t) for t in COUNTED_TASKS], dtype=np.int64)
 _FEATURES_PER_COMMAND = 10_000
 
 # ARGV: prefix, batch_id, digest ('' = no batch_id), counted tasks ("click,long_view"), dedup key width,
-# dedup keys (width bytes per event), member parts (time_ms, video_id, action_weights: 24 bytes per event),
-# counted-task masks (1 byte per event), then user, time_ms, video_id of each event.
+# then per event, in blobs (one argument each, whatever the batch size: redis-py packs every argument in
+# Python, and that would dominate): dedup keys (width bytes each), member parts (time_ms, video_id,
+# action_weights: 24 bytes), counted-task masks (1 byte), and "user time_ms video_id;" each in decimal.
 # Returns {status, appended, duplicates, late}: status 'ok' | 'replayed' | 'conflict'.
 _APPEND = """#!lua
 local prefix, batch_id, digest = ARGV[1], ARGV[2], ARGV[3]
 local width, keys, parts, masks = tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8]
-local n = (#ARGV - 8) / 3
+local n = #masks
 local batches = prefix .. ':batches'
 if digest ~= '' then
   local seen = redis.call('HGET', batches, batch_id)
@@ -92,8 +95,9 @@ local function zadd(key, score, member)
 end
 local latest, users, appended, late = {}, {}, 0, 0
 local function append()
+  local next_event = string.gmatch(ARGV[9], '(%d+) (%d+) (%d+);')
   for i = 1, n do
-    local user, time, video = ARGV[6 + 3 * i], ARGV[7 + 3 * i], ARGV[8 + 3 * i]
+    local user, time, video = next_event()
     if latest[user] == nil then  -- the user's latest time before this call: read before its first write
       local last = redis.call('ZRANGE', prefix .. ':uev:' .. user, -1, -1, 'WITHSCORES')
       latest[user] = last[2] and tonumber(last[2]) or false
@@ -197,7 +201,8 @@ class RedisHistoryStore(HistoryStore):
             self.namespace, batch_id or "", batch_digest(events) if batch_id is not None else b"",
             ",".join(COUNTED_TASKS), 8 * len(_DEDUP_COLUMNS),
             key[:, _DEDUP_COLUMNS].astype(">i8").tobytes(), parts.astype(">i8").tobytes(), masks.tobytes(),
-            *np.stack([events.user_id, events.time_ms, events.video_id], axis=1).reshape(-1).tolist(),
+            "".join(f"{u} {t} {v};" for u, t, v in zip(events.user_id.tolist(), events.time_ms.tolist(),
+                                                         events.video_id.tolist())),
         ]
         with self._calling("append failed"):
             status, appended, duplicates, late = self._append(args=args)

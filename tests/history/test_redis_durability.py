@@ -139,6 +139,20 @@ def test_an_unreachable_server_is_unavailable_and_a_returning_one_is_used_again(
     store.close()
 
 
+def test_a_full_server_refuses_the_whole_append(make_redis_server):
+    server = make_redis_server(durable=True)
+    store = RedisHistoryStore.from_url(server.url)
+    store.append(EventBatch.from_records([{"user_id": 1, "video_id": 2, "time_ms": T0}]))
+    server.client().config_set("maxmemory", 1)  # over the limit now (noeviction: writes are refused)
+    batch = EventBatch.from_records([{"user_id": u, "video_id": 3, "time_ms": T0 + u} for u in range(1, 6)])
+    with pytest.raises(HistoryUnavailableError, match="maxmemory"):
+        store.append(batch)
+    server.client().config_set("maxmemory", 0)
+    assert store.user_ids().tolist() == [1] and store.num_events() == 1
+    assert store.append(batch) == AppendResult(5, 0, 0)
+    store.close()
+
+
 def test_description_names_the_server_without_credentials():
     store = RedisHistoryStore.from_url("redis://reader:s3cret@127.0.0.1:6390/3", require_fsync=False)
     assert store.description == "redis://127.0.0.1:6390/3"
