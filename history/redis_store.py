@@ -229,7 +229,7 @@ class RedisHistoryStore(HistoryStore):
         until = np.asarray(until_ms, dtype=np.int64).reshape(-1)
         pipe = self._client.pipeline(transaction=True)  # one consistent view of every user of the batch
         pipe.get(self._key("manifest"))
-        pipe.hmget(self._key("features"), users.tolist() or [0])
+        pipe.hmget(self._key("features"), users.tolist() or [0])  # HMGET needs a field: a placeholder's is dropped
         for user, end in zip(users.tolist(), until.tolist()):
             pipe.zrangebyscore(self._key("uev", user), "-inf", f"({end}")
         with self._calling("read failed"):
