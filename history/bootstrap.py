@@ -32,7 +32,7 @@ from history.base import AppendResult, HistoryStore
 from history.events import EventBatch
 from history.registry import open_history_store
 
-CHUNK_EVENTS = 50_000
+CHUNK_EVENTS = 10_000  # an append holds a Redis server for its duration: keep each short
 # The log columns a preprocessed output does not keep (date and hourmin follow from the time).
 NOT_RECORDED = ("play_time_ms", "duration_ms", "profile_stay_time", "comment_stay_time", "is_rand", "tab")
 

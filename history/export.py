@@ -94,7 +94,7 @@ def read_store(store: HistoryStore, num_features: int, progress: bool = True) ->
     """Every stored event (`Events`, users ascending, each user's in history order) and the [U, F]
     user features, read `CHUNK_USERS` users at a time. Each chunk is one consistent read; a store
     appended to meanwhile exports the users known when the export began, each chunk as of its read."""
-    users = store.user_ids()
+    users = store.stored_user_ids()
     parts = []
     with tqdm(total=len(users), desc=f"export {store.description}", unit="user", disable=not progress) as bar:
         for lo in range(0, len(users), CHUNK_USERS):

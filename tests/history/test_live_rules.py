@@ -84,7 +84,7 @@ def test_store_holds_the_preprocessors_histories(data: st.DataObject):
         with SQLiteHistoryStore(root / "store.sqlite") as store:
             stored = append_like_live(store, rows, data)  # the same rows in file order: early log, then late
             assert stored == store.num_events() == len(expected.video_ids)
-            np.testing.assert_array_equal(store.user_ids(), expected.user_ids)
+            np.testing.assert_array_equal(store.stored_user_ids(), expected.user_ids)
             got = store.read(expected.user_ids, np.full(len(expected.user_ids), UNTIL_ALL, dtype=np.int64))
     for name in ("offsets", "video_ids", "action_weights", "timestamps_ms"):
         np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=name)

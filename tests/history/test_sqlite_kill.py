@@ -63,7 +63,7 @@ def run_and_kill(path: Path, seed: int, delay_s: float) -> list[int]:
 
 def stored_events(store: SQLiteHistoryStore) -> Counter:
     """Every stored event as (user, video, time, action_weights), with multiplicity."""
-    users = store.user_ids()
+    users = store.stored_user_ids()
     events = store.read(users, np.full(len(users), 2**62, dtype=np.int64))
     user = np.repeat(events.user_ids, np.diff(events.offsets))
     return Counter(zip(user.tolist(), events.video_ids.tolist(), events.timestamps_ms.tolist(),
