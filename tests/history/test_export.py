@@ -82,7 +82,7 @@ def test_live_events_after_the_bootstrap_are_exported(served, tmp_path: Path):
         source.backup(target)  # the shared fixture's store stays as it was
     with SQLiteHistoryStore(copy) as store:
         before = store.get_manifest()
-        user = int(store.user_ids()[0])
+        user = int(store.stored_user_ids()[0])
         last = int(store.read(np.array([user]), np.array([2**62])).timestamps_ms[-1])
         new_video = before.num_video_ids + 10
         store.append(EventBatch.from_records([{"user_id": user, "video_id": new_video, "time_ms": last + 86_400_000,

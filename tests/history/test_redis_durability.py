@@ -125,7 +125,7 @@ def test_an_unreachable_server_is_unavailable_and_a_returning_one_is_used_again(
     server.kill()
     one = np.array([1])
     calls = [lambda: store.append(first), lambda: store.read(one, one), lambda: store.counts(one, one),
-             store.user_ids, store.num_events, store.get_manifest]
+             store.stored_user_ids, store.num_events, store.get_manifest]
     for call in calls:
         with pytest.raises(HistoryUnavailableError):
             call()
