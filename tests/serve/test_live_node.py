@@ -176,3 +176,32 @@ def test_a_node_killed_while_ingesting_loses_no_acknowledged_event(live, tmp_pat
     with SQLiteHistoryStore(live.store_path) as store:
         stored = store.read(np.array([user]), np.array([t0 + 20_000]))
     assert set(acked) <= set(stored.video_ids.tolist())
+
+
+def test_a_node_over_the_shared_store_answers_503_while_it_is_down_and_recovers(serving_artifacts, make_redis_server,
+                                                                                  tmp_path):
+    from history.redis_store import RedisHistoryStore
+
+    data_dir, checkpoint = serving_artifacts
+    redis = make_redis_server(durable=True)
+    url = redis.url
+    with RedisHistoryStore.from_url(url) as store:
+        bootstrap_from_output(store, data_dir, progress=False)
+    node = start_node(None, checkpoint, tmp_path / "logs", extra_args=NODE_ARGS, history_store=url)
+    try:
+        wait_healthy([node], timeout_s=240)
+        user, t = 4 * 10**7, 1_700_000_000_000
+        event = {"user_id": user, "video_id": 1, "time_ms": t}
+        assert post(node.url, "/events", {"events": [event]})[0] == 200
+        redis.kill()
+        status, answer = post(node.url, "/events", {"events": [{**event, "video_id": 2}]})
+        assert (status, answer["error"]["code"]) == (503, "history_unavailable")
+        status, answer = post(node.url, "/score", {"user_id": user, "request_time_ms": t + 10, "candidate_video_ids": [1]})
+        assert (status, answer["error"]["code"]) == (503, "history_unavailable")
+        redis.restart()
+        status, answer = post(node.url, "/score", {"user_id": user, "request_time_ms": t + 10, "candidate_video_ids": [1],
+                                                   "events": [{"video_id": 3, "time_ms": t + 5}]})
+        assert status == 200, answer
+        assert answer["history_length"] == 2  # the acknowledged event survived; the refused one was never stored
+    finally:
+        node.stop(timeout_s=30)
