@@ -115,33 +115,33 @@ class EventBatch:
         """JSON-like records (one dict per event). Refuses non-integers (bools included) by index."""
         if not isinstance(records, Sequence) or isinstance(records, (str, bytes)):
             raise EventError(f"events must be a list of objects, got {type(records).__name__}")
-        columns: dict[str, list[int]] = {}
+        if not records:
+            return cls.empty()
         for i, record in enumerate(records):
             if not isinstance(record, Mapping):
                 raise EventError(f"events[{i}] must be an object, got {type(record).__name__}", index=i)
-            unknown = sorted(set(record) - set(FIELDS))
-            if unknown:
-                raise EventError(f"events[{i}]: unknown field {unknown[0]!r}; an event has {list(FIELDS)}",
-                                 field=unknown[0], index=i)
-            for name in REQUIRED_FIELDS:
+        names = set().union(*records)
+        for name in sorted(names - set(FIELDS)):
+            i = next(i for i, r in enumerate(records) if name in r)
+            raise EventError(f"events[{i}]: unknown field {name!r}; an event has {list(FIELDS)}", field=name, index=i)
+        for name in (*REQUIRED_FIELDS, *(n for n in DERIVED_FIELDS if n in names)):
+            for i, record in enumerate(records):
                 if name not in record:
-                    raise EventError(f"events[{i}]: missing field {name!r}", field=name, index=i)
-            for name, value in record.items():
-                if isinstance(value, bool) or not isinstance(value, int) or not -MAX_ID - 1 <= value <= MAX_ID:
-                    raise EventError(f"events[{i}].{name} must be an int64 integer, got {_show(value)}",
-                                     field=name, index=i)
-        for name in FIELDS:
-            present = [name in r for r in records]
-            if any(present):
-                if not all(present) and name in DERIVED_FIELDS:
-                    i = present.index(False)
-                    raise EventError(f"events[{i}]: {name!r} is given for some events of the batch but not this one",
-                                     field=name, index=i)
-                default = 0
-                columns[name] = [r.get(name, default) for r in records]
-        if not records:
-            return cls.empty()
-        return cls.from_columns({k: np.array(v, dtype=np.int64) for k, v in columns.items()}, max_time_ms)
+                    problem = "missing field" if name in REQUIRED_FIELDS else "no field, although other events of the batch have"
+                    raise EventError(f"events[{i}]: {problem} {name!r}", field=name, index=i)
+        columns = {}
+        for name in names:
+            values = [r.get(name, 0) for r in records]
+            if not all(type(v) is int for v in values):  # bool, float, str... (type(True) is bool, not int)
+                i = next(i for i, v in enumerate(values) if type(v) is not int)
+                raise EventError(f"events[{i}].{name} must be an int64 integer, got {_show(values[i])}", field=name, index=i)
+            try:
+                columns[name] = np.array(values, dtype=np.int64)
+            except OverflowError:
+                i = next(i for i, v in enumerate(values) if not -MAX_ID - 1 <= v <= MAX_ID)
+                raise EventError(f"events[{i}].{name} must be an int64 integer, got {_show(values[i])}",
+                                 field=name, index=i) from None
+        return cls.from_columns(columns, max_time_ms)
 
     @classmethod
     def from_log_table(cls, table: pa.Table) -> EventBatch:
