@@ -17,12 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 
 from data import schema
 from data.event_rules import EVENT_KEY_COLUMNS
+
+if TYPE_CHECKING:  # the router parses events too, and need not load pyarrow
+    import pyarrow as pa
 
 MAX_ID = 2**63 - 1
 REQUIRED_FIELDS = ("user_id", "video_id", "time_ms")

@@ -8,6 +8,8 @@ LF, chunked framing). This class owns what a server adds on top, each bounded:
   is drained by a loop, never by recursion;
 * flow control: while a request is being answered, reading pauses once the queued requests or
   their bytes pass `ServerLimits.max_pipelined` / `max_buffered_bytes`, and resumes as they drain;
+  across connections, a request's body is read only once the server's `BodyBudget` admits it
+  (serve/http_budget.py);
 * a head over `max_head_bytes` is refused (431) even while it is still arriving, a body over
   `max_body_bytes` as soon as its Content-Length says so (413);
 * deadlines: the head, the body and the idle time between requests each have their own
@@ -51,6 +53,7 @@ class _Queued:
     handler: Handler | None
     answer: Response | None
     keep_alive: bool
+    reserved: int  # of the server's body budget, released once answered
 
 
 def _parser_error_code(err: Exception, headers_done: bool) -> str:
@@ -75,6 +78,8 @@ class Connection(asyncio.Protocol):
         self._queued_bytes = 0  # bodies waiting in the queue
         self._task: asyncio.Task | None = None  # the handler being awaited
         self._paused = False
+        self._awaiting_budget = False  # the request being received waits for the body budget
+        self._reserved = 0  # the body budget held for the request being received
         self._refused = False  # a refusal is queued: read nothing more
         self.closing = False  # answer what is in hand, then close
         # the request being parsed
@@ -116,6 +121,11 @@ class Connection(asyncio.Protocol):
         self._server.connections.discard(self)
         self._transport = None
         self.deadline = None
+        self._drop_queue()
+        self._server.body_budget.withdraw(self)
+        self._awaiting_budget = False
+        self._release(self._reserved)
+        self._reserved = 0
 
     def data_received(self, data: bytes) -> None:
         if self._refused or self._transport is None:
@@ -176,7 +186,22 @@ class Connection(asyncio.Protocol):
             raise Refused(413, "body_too_large", f"a {length}-byte body; at most {self._limits.max_body_bytes} bytes")
         if version == "1.1" and "host" not in self._headers:
             raise Refused(400, "missing_host", "an HTTP/1.1 request must carry a Host header")
-        if length and self._headers.get("expect", "").lower() == "100-continue" and self._idle():
+        if length and not self._server.body_budget.reserve(self, length):
+            self._awaiting_budget = True  # `admitted` resumes it; not the client's time meanwhile
+            self.deadline = None
+            return
+        self._reserved = length
+        self._start_body()
+
+    def admitted(self, nbytes: int) -> None:
+        """The body budget took this request's bytes (serve/http_budget.py): read its body."""
+        self._awaiting_budget, self._reserved = False, nbytes
+        if self._transport is not None:
+            self._start_body()
+            self._flow_control()
+
+    def _start_body(self) -> None:
+        if self._headers.get("expect", "").lower() == "100-continue" and self._idle():
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self._set_deadline(self._limits.body_timeout_s, "body")
 
@@ -190,11 +215,18 @@ class Connection(asyncio.Protocol):
         method = self._parser.get_method().decode("ascii")
         keep_alive = self._parser.should_keep_alive()
         handler, tail, answer = self._server.routes.resolve(method, path)
+        if self._awaiting_budget:  # the whole body came in the read that carried the head
+            self._awaiting_budget = False
+            self._reserved = self._server.body_budget.take_waiting(self)
+        reserved, self._reserved = self._reserved, 0
         request = None
         if answer is None:  # a request answered without its handler (404, 405) keeps no body
             request = Request(method, path, self._headers, bytes(self._body), tail)
             self._queued_bytes += len(request.body)
-        self._queue.append(_Queued(request, handler, answer, keep_alive))
+        else:
+            self._release(reserved)
+            reserved = 0
+        self._queue.append(_Queued(request, handler, answer, keep_alive, reserved))
         self._body = bytearray()
         self.deadline = None  # answering is the handler's time, bounded by its own timeouts
 
@@ -222,6 +254,7 @@ class Connection(asyncio.Protocol):
             log.exception("%s %s failed", item.request.method, item.request.path)
             response = error_response(500, "internal_error", f"{type(err).__name__}: {err}")
         self._task = None
+        self._release(item.reserved)
         if self._transport is not None and self._write(response, item.keep_alive):
             self._advance()
             self._flow_control()
@@ -233,14 +266,23 @@ class Connection(asyncio.Protocol):
         if not keep_alive:
             self._transport.close()
             self._transport = None
-            self._queue.clear()
+            self._drop_queue()
             self.deadline = None
         return keep_alive
+
+    def _drop_queue(self) -> None:
+        self._release(sum(item.reserved for item in self._queue))
+        self._queue.clear()
+        self._queued_bytes = 0
+
+    def _release(self, nbytes: int) -> None:
+        if nbytes:
+            self._server.body_budget.release(nbytes)
 
     def _refuse(self, refusal: Refused) -> None:
         self._refused = True
         self._in_message = False
-        self._queue.append(_Queued(None, None, refusal.response, False))
+        self._queue.append(_Queued(None, None, refusal.response, False, 0))
 
     # ------------------------------------------------------------------ limits
     def _idle(self) -> bool:
@@ -267,9 +309,9 @@ class Connection(asyncio.Protocol):
     def _flow_control(self) -> None:
         if self._transport is None:
             return
-        backlog = self._task is not None and (
+        backlog = self._awaiting_budget or (self._task is not None and (
             len(self._queue) >= self._limits.max_pipelined
-            or self._queued_bytes + len(self._body) > self._limits.max_buffered_bytes)
+            or self._queued_bytes + len(self._body) > self._limits.max_buffered_bytes))
         if backlog and not self._paused:
             self._transport.pause_reading()
             self._paused = True

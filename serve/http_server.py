@@ -9,7 +9,8 @@ pipelining (answered in order, one at a time), `Expect: 100-continue`. What it r
 JSON error and the connection closed: a malformed request (400, llhttp's reason in the message),
 HTTP/1.1 without Host (400), a head over `max_head_bytes` (431), a body over `max_body_bytes`
 (413), a Transfer-Encoding body (501), another HTTP version (505), a request begun and not
-finished in time (408), and a connection past `max_connections` (503). A handler that raises gets
+finished in time (408), and a connection past `max_connections` (503). Request bodies held at once,
+over all connections, are bounded by `max_held_body_bytes`: a request past it waits, unread. A handler that raises gets
 a 500; the connection stays usable.
 
     server = HttpServer(routes, ServerLimits(max_connections=10_000))
@@ -23,6 +24,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
+from serve.http_budget import BodyBudget
 from serve.http_connection import Connection
 from serve.http_routes import Request, Response, Routes, error_response
 
@@ -46,9 +48,13 @@ class ServerLimits:
     # connection holds at most this plus one socket read (256 KiB) beyond the request in hand.
     max_pipelined: int = 32
     max_buffered_bytes: int = 64 << 10
+    # Request bodies held at once across all connections (serve/http_budget.py): past it, a new
+    # request's body is not read until answered requests free enough.
+    max_held_body_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_head_bytes", "max_connections", "max_pipelined", "max_buffered_bytes"):
+        for name in ("max_body_bytes", "max_head_bytes", "max_connections", "max_pipelined", "max_buffered_bytes",
+                     "max_held_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
@@ -71,6 +77,7 @@ class HttpServer:
         self.routes = routes
         self.limits = limits or ServerLimits()
         self.connections: set[Connection] = set()
+        self.body_budget = BodyBudget(self.limits.max_held_body_bytes)
         self.refused_connections = 0  # past max_connections
         self.expired_connections = 0  # closed at a deadline
         self._server: asyncio.Server | None = None

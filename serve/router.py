@@ -316,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--header_timeout_s", type=float, default=ServerLimits.header_timeout_s)
     p.add_argument("--body_timeout_s", type=float, default=ServerLimits.body_timeout_s)
     p.add_argument("--keep_alive_timeout_s", type=float, default=ServerLimits.keep_alive_timeout_s)
+    p.add_argument("--max_held_body_bytes", type=int, default=ServerLimits.max_held_body_bytes,
+                   help="request bodies held at once over all connections; past it new bodies wait unread")
     p.add_argument("--probe_interval_s", type=float, default=0.5)
     p.add_argument("--probe_timeout_s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=None, help="random policy seed")
@@ -335,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         router = Router(pool, policy, args.redis_url, args.forward_timeout_s, args.probe_interval_s,
                         args.request_deadline_s)
         limits = ServerLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout_s,
-                              body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s)
+                              body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
+                              max_held_body_bytes=args.max_held_body_bytes)
     except ValueError as err:
         parser.error(str(err))
     asyncio.run(run(router, args.host, args.port, limits=limits))

@@ -24,6 +24,15 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]
     return int(lines[0].split(" ")[1]), headers, body
 
 
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Wait, bounded, for a condition the server reaches on its own."""
+    for _ in range(int(WAIT_S / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {WAIT_S} s: {what}")
+
+
 def run_server(scenario: Callable[[HttpServer], Awaitable], routes: Routes, **limits):
     """scenario(server) on a fresh event loop, with a server listening on a free loopback port."""
     async def main():

@@ -6,7 +6,7 @@ import asyncio
 import json
 
 import pytest
-from raw_http import WAIT_S, read_answer, request_bytes, run_server
+from raw_http import WAIT_S, read_answer, request_bytes, run_server, until
 
 from serve.http_routes import Request, Response, Routes
 
@@ -30,12 +30,6 @@ def _routes(gate: asyncio.Event | None = None) -> Routes:
     return routes
 
 
-async def _until(condition, what: str) -> None:
-    for _ in range(int(WAIT_S / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not within {WAIT_S} s: {what}")
 
 
 
@@ -47,11 +41,11 @@ def test_reading_pauses_while_a_request_is_answered_and_the_backlog_is_full():
     async def scenario(server):
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(request_bytes("GET", "/gated"))
-        await _until(lambda: any(c.busy for c in server.connections), "the gated request is in flight")
+        await until(lambda: any(c.busy for c in server.connections), "the gated request is in flight")
         pipelined = request_bytes("POST", "/echo", body) * 400  # 2 MB behind the request in flight
         writer.write(pipelined)
         (connection,) = server.connections
-        await _until(lambda: connection.reading_paused, "reading paused")
+        await until(lambda: connection.reading_paused, "reading paused")
         held = connection.buffered_bytes
         gate.set()
         answers = [await read_answer(reader) for _ in range(401)]
@@ -109,12 +103,12 @@ def test_a_connection_that_stalls_is_closed_at_its_deadline(sent, phase):
 def test_connections_past_the_cap_are_refused_with_503_and_closed():
     async def scenario(server):
         held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
-        await _until(lambda: len(server.connections) == 3, "three connections accepted")
+        await until(lambda: len(server.connections) == 3, "three connections accepted")
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         refused = await asyncio.wait_for(reader.read(), WAIT_S)
         writer.close()
         held[0][1].close()
-        await _until(lambda: len(server.connections) == 2, "a held connection closed")
+        await until(lambda: len(server.connections) == 2, "a held connection closed")
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(request_bytes("GET", "/echo"))
         after = await read_answer(reader)
@@ -186,7 +180,7 @@ def test_a_connection_paused_behind_a_slow_answer_is_not_timed_out():
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(request_bytes("GET", "/gated") + request_bytes("POST", "/echo", b"y" * 200_000))
         (connection,) = server.connections
-        await _until(lambda: connection.reading_paused, "reading paused")
+        await until(lambda: connection.reading_paused, "reading paused")
         await asyncio.sleep(0.5)  # over twice the body timeout, handler still busy
         gate.set()
         answers = [await read_answer(reader) for _ in range(2)]
