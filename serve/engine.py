@@ -33,6 +33,7 @@ from kvcache import (
     KVCacheCapacityError,
     KVCacheConfig,
     KVCacheManager,
+    KVCacheRequestError,
     build_host_storage,
 )
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
@@ -124,7 +125,7 @@ class ScoringEngine:
     def score_batch(self, queries: Sequence[ScoreQuery]) -> list[EngineResult | RequestError]:
         """Score a batch (each user at most once), reading the users' histories once. A visit that cannot
         be scored gets its own error; the others are scored. A batch whose windows do not fit the device
-        pool together is served one visit at a time."""
+        pool together, or that the cache refuses, is served one visit at a time (`_score_alone`)."""
         users = np.array([q.user_id for q in queries], dtype=np.int64)
         times = np.array([q.request_time_ms for q in queries], dtype=np.int64)
         try:
@@ -146,15 +147,37 @@ class ScoringEngine:
                 out[b] = result
         return out
 
-    def _score(self, histories: UserHistories, queries: list[ScoreQuery], ends: np.ndarray) -> list[EngineResult]:
-        visits = [Visit(q.user_id, q.request_time_ms, np.asarray(q.candidate_video_ids, dtype=np.int64)) for q in queries]
+    def _score(self, histories: UserHistories, queries: list[ScoreQuery], ends: np.ndarray
+               ) -> list[EngineResult | RequestError]:
+        if len(queries) == 1:
+            return [self._score_alone(histories, queries[0], ends)]
         try:
-            result = self.session.score_over(histories, visits)
+            return self._score_together(histories, queries, ends)
+        except KVCacheRequestError as err:  # capacity, or one user's cache at odds with its visit
+            log.warning("a batch of %d visits was refused by the KV cache (%s): serving it one visit at a time",
+                        len(queries), err)
+            return [self._score_alone(histories, q, ends[b:b + 1]) for b, q in enumerate(queries)]
+
+    def _score_alone(self, histories: UserHistories, query: ScoreQuery, ends: np.ndarray) -> EngineResult | RequestError:
+        """One visit. A cache that refuses it (other than for room) is dropped for the user and the visit
+        computed from the history once more: K/V is derived from events, so that is always right."""
+        try:
+            return self._score_together(histories, [query], ends)[0]
         except KVCacheCapacityError:
-            if len(queries) == 1:
-                raise
-            log.warning("a batch of %d visits does not fit the device pool: serving it one visit at a time", len(queries))
-            return [self._score(histories, [q], ends[b:b + 1])[0] for b, q in enumerate(queries)]
+            raise
+        except KVCacheRequestError as err:
+            log.warning("user %d: the KV cache refused the visit (%s); recomputing it from the history", query.user_id, err)
+            self.cache.invalidate_kv_cache([query.user_id])
+        try:
+            return self._score_together(histories, [query], ends)[0]
+        except KVCacheCapacityError:
+            raise
+        except KVCacheRequestError as err:
+            return RequestError(500, "kv_cache_error", f"user {query.user_id}: {err}")
+
+    def _score_together(self, histories: UserHistories, queries: list[ScoreQuery], ends: np.ndarray) -> list[EngineResult]:
+        visits = [Visit(q.user_id, q.request_time_ms, np.asarray(q.candidate_video_ids, dtype=np.int64)) for q in queries]
+        result = self.session.score_over(histories, visits)
         logits = result.logits.numpy()
         offsets = np.concatenate([[0], np.cumsum(result.candidate_lengths)])
         return [

@@ -7,6 +7,7 @@ import torch
 
 from data.dataset import InferenceDataset
 from helpers import assert_logits_close, make_cache
+from kvcache import KVCacheRequestError
 from model.checkpoint import load_checkpoint
 from model.inference import InferenceSession
 from serve.engine import EngineConfig, open_engine
@@ -114,6 +115,56 @@ def test_a_visit_without_history_fails_alone_and_its_batch_is_scored(serving_art
         assert "user 1000000000 has no events" in results[1].message
         no_history = engine.score_batch([ScoreQuery(second.user_id, 0, second.candidate_video_ids)])[0]
         assert (no_history.code, "no events before request_time_ms=0" in no_history.message) == ("no_history", True)
+    finally:
+        engine.shutdown()
+
+
+def _one_visit_per_user(engine, users=3) -> list[ScoreQuery]:
+    queries, seen = [], set()
+    for q in visit_queries(engine.history, engine.history.request_indices(max_requests=200)):
+        if q.user_id not in seen:
+            queries.append(q)
+            seen.add(q.user_id)
+    return queries[:users]
+
+
+def _refuse_user_while_cached(engine, user_id, recovers: bool) -> list[int]:
+    """Fault injection at the session seam: the cache refuses every batch holding `user_id` (as a race
+    between two callers once did), until the engine drops the user's cache if `recovers`."""
+    score_over, invalidate = engine.session.score_over, engine.cache.invalidate_kv_cache
+    poisoned, dropped = [True], []
+
+    def refusing(histories, visits):
+        if poisoned[0] and any(v.user_id == user_id for v in visits):
+            raise KVCacheRequestError(f"User {user_id}: The input sequence has overlapping tokens from 192 to 241")
+        return score_over(histories, visits)
+
+    def invalidating(users):
+        dropped.extend(users)
+        poisoned[0] = poisoned[0] and not (recovers and user_id in users)
+        return invalidate(users)
+
+    engine.session.score_over, engine.cache.invalidate_kv_cache = refusing, invalidating
+    return dropped
+
+
+@pytest.mark.parametrize("recovers", [True, False])
+def test_one_users_cache_refusal_fails_at_most_that_visit(serving_artifacts, recovers):
+    engine = engine_for(serving_artifacts)
+    try:
+        queries = _one_visit_per_user(engine)
+        alone = [engine.score_batch([q])[0].logits for q in queries]
+        engine.reset_cache()
+        dropped = _refuse_user_while_cached(engine, queries[1].user_id, recovers)
+        results = engine.score_batch(queries)
+        assert [r.logits for r in (results[0], results[2])] == [alone[0], alone[2]]
+        assert dropped == [queries[1].user_id]  # the refused user's cache only, once
+        if recovers:
+            assert results[1].logits == alone[1] and results[1].cache.tier == "none"
+        else:
+            assert isinstance(results[1], RequestError)
+            assert (results[1].status, results[1].code) == (500, "kv_cache_error")
+            assert f"user {queries[1].user_id}: User {queries[1].user_id}: The input sequence" in results[1].message
     finally:
         engine.shutdown()
 
