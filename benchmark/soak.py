@@ -201,7 +201,7 @@ def summarize(soak: Soak, results: list[dict], args) -> dict:
         with urllib.request.urlopen(f"{node.url}/metrics", timeout=10) as resp:
             samples = parse_samples(resp.read().decode())
         pages[f"node{i}"] = {stat: samples.get(f'hstu_kvcache{{stat="{stat}"}}') for stat in
-                             ("pages_in_use", "pages_total", "users_on_device", "users_on_host")}
+                             ("pages_in_use", "pages_owned", "pages_total", "users_on_device", "users_on_host")}
     latencies = [r["latency_s"] * 1000 for r in ok]
     return {
         "config": vars(args), "machine": "CPU", "requests": len(results), "answered": len(ok),

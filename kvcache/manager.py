@@ -285,7 +285,7 @@ class KVCacheManager:
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return snapshot(self._counters, self._pool, self._host, len(self._users))
+            return snapshot(self._counters, self._pool, self._host, (len(r.pages) for r in self._users.values()))
 
     def close(self) -> None:
         """Finish pending offloads, stop the offload worker (async mode) and close the tiers the manager built.

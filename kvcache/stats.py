@@ -1,6 +1,7 @@
 """Cache counters: what a capacity planner asks of the cache."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ class CacheStats:
     tier_corrupt_reads: int = 0  # entries a tier returned or held with bad data (checksum, shape): dropped
     # --- gauges ---
     pages_in_use: int = 0
+    pages_owned: int = 0  # held by the users on the device: less than pages_in_use only if pages leaked
     pages_total: int = 0
     users_on_device: int = 0
     users_on_host: int = 0
@@ -48,7 +50,7 @@ class CacheStats:
         return asdict(self)
 
 
-GAUGES = ("pages_in_use", "pages_total", "users_on_device", "users_on_host", "host_bytes_used", "host_capacity_bytes")
+GAUGES = ("pages_in_use", "pages_owned", "pages_total", "users_on_device", "users_on_host", "host_bytes_used", "host_capacity_bytes")
 TIER_COUNTERS = {"tier_failures": "failures", "tier_timeouts": "timeouts", "tier_corrupt_reads": "corrupt_reads"}
 COUNTERS = tuple(f.name for f in fields(CacheStats) if f.name not in GAUGES and f.name not in TIER_COUNTERS)
 
@@ -63,14 +65,18 @@ def new_counters() -> dict[str, int]:
     return dict.fromkeys(COUNTERS, 0)
 
 
-def snapshot(counters: dict[str, int], pool: DevicePagePool, host: HostKVStorage, users_on_device: int) -> CacheStats:
-    """The manager's counters with the tiers' counters and the occupancy of the pool and the host tier."""
+def snapshot(counters: dict[str, int], pool: DevicePagePool, host: HostKVStorage, pages_by_user: Iterable[int]
+             ) -> CacheStats:
+    """The manager's counters with the tiers' counters and the occupancy of the pool and the host tier;
+    `pages_by_user`: the pages each user on the device holds."""
+    pages_by_user = list(pages_by_user)
     return CacheStats(
         **counters,
         **tier_counters(host.counters()),
         pages_in_use=pool.num_used,
+        pages_owned=sum(pages_by_user),
         pages_total=pool.num_pages,
-        users_on_device=users_on_device,
+        users_on_device=len(pages_by_user),
         users_on_host=host.num_users,
         host_bytes_used=host.bytes_used,
         host_capacity_bytes=host.capacity_bytes,

@@ -478,7 +478,7 @@ def test_stats_snapshot_is_frozen_and_complete():
     serve(mgr, [1, 2], [5, 0], [2, 1])
     s = mgr.stats()
     assert (s.hits, s.misses, s.tokens_reused, s.tokens_appended) == (1, 2, 5, 8)
-    assert (s.pages_in_use, s.pages_total, s.users_on_device, s.users_on_host) == (3, 16, 2, 0)
+    assert (s.pages_in_use, s.pages_owned, s.pages_total, s.users_on_device, s.users_on_host) == (3, 3, 16, 2, 0)
     assert s.hit_rate == pytest.approx(1 / 3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.hits = 0
@@ -487,6 +487,15 @@ def test_stats_snapshot_is_frozen_and_complete():
         "device_evictions", "host_evictions", "pages_in_use", "pages_total", "refusals",
         "users_on_device", "users_on_host", "rollbacks",
     }
+
+
+def test_stats_show_a_page_in_use_that_no_user_owns():
+    """What a soak reads from /metrics at its end to tell a leaked page from a long window."""
+    mgr = KVCacheManager(_config())
+    serve(mgr, [1, 2], [0, 0], [5, 1])
+    mgr._pool.alloc(1)  # taken and never given to a user: a leak
+    s = mgr.stats()
+    assert (s.pages_in_use, s.pages_owned) == (4, 3)
 
 
 def test_user_ids_may_be_tensors():
