@@ -15,7 +15,9 @@ Kills at fractions of the duration (`--kill_node_at`, `--kill_router_at`, `--kil
 process restarted `--down_s` later. Reported (JSON, and a PNG beside it): lost requests (the client
 gave up), refusals, wrong logits (against `InferenceSession` offline), p50/p99 per `--window_s`,
 RSS over time of every process (per incarnation; growth after `--warmup_s` per process that lived
-through the end), and each node's pages in use at the end after the load stopped.
+through the end, as is and net of the caches it holds by design: a node's host tier, `host_bytes_used`,
+and Redis's data, `used_memory`, both bounded by their capacities), and each node's pages in use and
+pages owned by its users at the end after the load stopped.
 """
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ class Soak:
                                            self.redis.url, extra_args=ROUTER_ARGS)
         wait_healthy([*self.nodes, *self.routers], timeout_s=240)
         self.events: list[dict] = []
-        self.rss: dict[str, list] = {}  # name -> [(t, pid, MB)]
+        self.rss: dict[str, list] = {}  # name -> [(t, pid, RSS MB, cache MB)]
         self.lock = threading.Lock()
 
     def now(self) -> float:
@@ -119,7 +121,22 @@ class Soak:
             except OSError:
                 continue  # between a kill and its restart
             mb = next(int(line.split()[1]) / 1024 for line in text.splitlines() if line.startswith("VmRSS:"))
-            self.rss.setdefault(name, []).append((self.now(), proc.pid, mb))
+            self.rss.setdefault(name, []).append((self.now(), proc.pid, mb, self._cache_mb(name)))
+
+    def _cache_mb(self, name: str) -> float:
+        """What the process holds as cache, bounded by its capacity setting (0: unknown, or none)."""
+        try:
+            if name == "redis":
+                client = redis_client.Redis(port=self.redis.port, socket_timeout=1, socket_connect_timeout=1)
+                return client.info("memory")["used_memory"] / 2**20
+            if name.startswith("node"):
+                url = self.nodes[int(name[4:])].url
+                with urllib.request.urlopen(f"{url}/metrics", timeout=1) as resp:
+                    samples = parse_samples(resp.read().decode())
+                return samples.get('hstu_kvcache{stat="host_bytes_used"}', 0.0) / 2**20
+        except (OSError, redis_client.RedisError):
+            pass
+        return 0.0
 
     def kill_and_restart(self, what: str) -> None:
         """SIGKILL, `--down_s` down, then the same command again (same port); logged as events."""
@@ -158,23 +175,32 @@ def run_load(soak: Soak, queries: list, expected: dict, args) -> list[dict]:
 
     kills = sorted((frac * args.duration_s, what) for what, frac in
                    (("node", args.kill_node_at), ("router", args.kill_router_at), ("redis", args.kill_redis_at)))
-    killers, next_sample = [], 0.0
+    killers, stop = [], threading.Event()
+
+    def sample() -> None:  # its own thread: reading a busy node's /metrics must not delay the requests
+        while not stop.wait(args.sample_s):
+            soak.sample_rss()
+
+    sampler = threading.Thread(target=sample, name="rss-sampler")
+    sampler.start()
     with ThreadPoolExecutor(args.max_in_flight) as pool:
         for k, query in enumerate(itertools.cycle(queries)):
             due = k / args.rate
             if due >= args.duration_s:
                 break
-            while (now := soak.now()) < due:
-                if now >= next_sample:
-                    soak.sample_rss()
-                    next_sample = now + args.sample_s
+            while True:  # kills are checked even when the requests run behind their schedule
+                now = soak.now()
                 if kills and now >= kills[0][0]:
                     killers.append(threading.Thread(target=soak.kill_and_restart, args=(kills.pop(0)[1],)))
                     killers[-1].start()
-                time.sleep(min(0.005, max(0.0, due - now)))
+                if now >= due:
+                    break
+                time.sleep(min(0.005, due - now))
             pool.submit(one, query, due)
     for thread in killers:
         thread.join()
+    stop.set()
+    sampler.join()
     soak.sample_rss()
     return sorted(results, key=lambda r: r["t"])
 
@@ -191,10 +217,13 @@ def summarize(soak: Soak, results: list[dict], args) -> dict:
     growth = {}
     for name, series in soak.rss.items():
         last_pid = series[-1][1]
-        born = next(t for t, pid, _ in series if pid == last_pid)
-        mine = [(t, mb) for t, pid, mb in series if pid == last_pid and t >= born + args.warmup_s]
+        born = next(t for t, pid, *_ in series if pid == last_pid)
+        mine = [(mb, cache) for t, pid, mb, cache in series if pid == last_pid and t >= born + args.warmup_s]
         if len(mine) >= 2:  # the incarnation alive at the end, `--warmup_s` after its (re)start
-            growth[name] = {"from_mb": mine[0][1], "to_mb": mine[-1][1], "growth": mine[-1][1] / mine[0][1] - 1}
+            (first, first_cache), (last, last_cache) = mine[0], mine[-1]
+            growth[name] = {"from_mb": first, "to_mb": last, "growth": last / first - 1,
+                            "cache_from_mb": first_cache, "cache_to_mb": last_cache,
+                            "growth_net_of_cache": (last - last_cache) / (first - first_cache) - 1}
     time.sleep(2.0)  # the load stopped: let offloads and the index settle
     pages = {}
     for i, node in enumerate(soak.nodes):
@@ -213,7 +242,8 @@ def summarize(soak: Soak, results: list[dict], args) -> dict:
         "p99_ms": float(np.percentile(latencies, 99)) if ok else None,
         "max_ms": max(latencies, default=None),
         "events": soak.events, "windows": windows, "rss_growth_after_warmup": growth, "pages_at_end": pages,
-        "rss": {name: [[round(t, 1), pid, round(mb, 1)] for t, pid, mb in s] for name, s in soak.rss.items()},
+        "rss": {name: [[round(t, 1), pid, round(mb, 1), round(cache, 1)] for t, pid, mb, cache in s]
+                for name, s in soak.rss.items()},
     }
 
 
@@ -228,8 +258,11 @@ def plot(summary: dict, path: Path) -> None:
     top.plot([x["t"] for x in w], [x["p50_ms"] for x in w], label="p50")
     top.set_ylabel("latency (ms)")
     for name, series in summary["rss"].items():
-        bottom.plot([s[0] for s in series], [s[2] for s in series], label=name)
-    bottom.set_ylabel("RSS (MB)")
+        line, = bottom.plot([s[0] for s in series], [s[2] for s in series], label=f"{name} RSS")
+        if any(s[3] for s in series):
+            bottom.plot([s[0] for s in series], [s[2] - s[3] for s in series], color=line.get_color(),
+                        linestyle=":", label=f"{name} RSS less cache")
+    bottom.set_ylabel("MB")
     bottom.set_xlabel("seconds")
     for ax in (top, bottom):
         for event in summary["events"]:

@@ -46,4 +46,9 @@ def test_soak_tiny_mode_runs_end_to_end_with_its_kills(tmp_path, serving_artifac
     assert result["lost"] == 0, result["errors"]
     assert result["windows"] and set(result["rss"]) == {"redis", "node0", "node1", "router0", "router1"}
     assert set(result["pages_at_end"]) == {"node0", "node1"}
+    pages = result["pages_at_end"].values()
+    assert all(p["pages_in_use"] == p["pages_owned"] for p in pages)  # no page in use that no user owns
+    assert sum(p["pages_in_use"] for p in pages) > 0
+    node_cache = [sample[3] for node in ("node0", "node1") for sample in result["rss"][node]]
+    assert max(node_cache) > 0  # the host tier's bytes are read beside the RSS
     assert out.with_suffix(".png").stat().st_size > 0
