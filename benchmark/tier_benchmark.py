@@ -33,13 +33,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from device_profile import sync
 from kvcache import HostKVStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, paged_kvcache_ops
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from kvcache.storage import DiskHostStorage
 from kvcache.storage.redis_tier import RedisHostStorage
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
-from workloads import visit_batches
+from workloads import long_history_config, visit_batches
 
 TIERS = ("memory", "disk", "redis")
 USER = 0
@@ -66,20 +67,22 @@ def tier_factories(names: list[str], workdir: Path, redis_url: str, capacity: in
     return {name: factories[name] for name in names}
 
 
-def cache_config(model_cfg: HSTUConfig, dtype: torch.dtype, history: int) -> KVCacheConfig:
+def cache_config(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, device: torch.device | str = "cpu"
+                 ) -> KVCacheConfig:
     """A device pool just large enough for one user of `history` + 1 tokens."""
     return KVCacheConfig(
         num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
-        page_size=model_cfg.page_size, num_pages=-(-(history + 1) // model_cfg.page_size), dtype=dtype,
+        page_size=model_cfg.page_size, num_pages=-(-(history + 1) // model_cfg.page_size), dtype=dtype, device=device,
     )
 
 
-def loaded_cache(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, storage: HostKVStorage) -> KVCacheManager:
+def loaded_cache(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, storage: HostKVStorage,
+                 device: torch.device | str = "cpu") -> KVCacheManager:
     """A manager whose host tier holds `history` tokens of USER (random K/V) and whose device does not."""
-    cache = KVCacheManager(cache_config(model_cfg, dtype, history), host_storage=storage)
+    cache = KVCacheManager(cache_config(model_cfg, dtype, history, device), host_storage=storage)
     meta = cache.prepare_kv_cache([USER], [0], [history])
     for layer in range(model_cfg.num_layers):
-        k, v = torch.randn(2, history, model_cfg.num_heads, model_cfg.head_dim, dtype=dtype)
+        k, v = torch.randn(2, history, model_cfg.num_heads, model_cfg.head_dim, dtype=dtype, device=device)
         paged_kvcache_ops.append_kvcache(cache.k_cache(layer), cache.v_cache(layer), k, v, meta.new_token_slots)
     cache.commit(meta)
     cache.offload_kv_cache([USER])
@@ -90,9 +93,11 @@ def loaded_cache(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, storag
 def time_reload(cache: KVCacheManager, history: int) -> float:
     """Seconds of the prepare (onload of `history` tokens + 1 new) and rollback of a returning user."""
     cache.evict_kv_cache([USER])
+    sync(cache.config.device)
     start = time.perf_counter()
     meta = cache.prepare_kv_cache([USER], [history], [1])
     cache.rollback(meta)
+    sync(cache.config.device)
     elapsed = time.perf_counter() - start
     if meta.cached_lengths.tolist() != [history]:
         raise RuntimeError(f"the tier did not return the user's {history} tokens: {meta.cached_lengths.tolist()}")
@@ -161,10 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = preset("kuairand-1k", video_hash_size=1024)  # embeddings are not timed
     longest = max(args.histories)
-    if longest > cfg.max_seq_len:  # N only scales attention: the timing does not depend on it
-        cfg = cfg.replace(max_seq_len=longest, position_table_size=max(longest, cfg.position_table_size))
+    cfg = long_history_config(preset("kuairand-1k", video_hash_size=1024), longest)  # embeddings are not timed
     torch.manual_seed(0)
     model = HSTURecommender(cfg).to(dtype).eval()
     layout = cache_config(cfg, dtype, longest).page_layout

@@ -1,0 +1,63 @@
+"""A visit's latency and memory with the KV cache, by full recompute, and for its history alone.
+
+For each history length L, one user (batch 1) with L history tokens and `candidates` candidates:
+  * full:    every history token and the candidates, nothing cached;
+  * prefill: the L history tokens alone, nothing cached: what a miss costs before scoring, and
+             what a reload from a tier replaces;
+  * cached:  all but the last `new` history tokens in the paged KV cache: the new tokens and the
+             candidates (hstu_block_benchmark's cached path).
+The share of a full visit spent on the history is prefill / full; the rest is the candidates'
+(their projections and their attention over the whole history). A first untimed round measures
+each path's peak memory (device_profile.peak_memory_bytes) and warms it up; then `repeats`
+interleaved timed rounds, or one for histories above `long_history` (a full recompute there takes
+tens of seconds on a CPU, and a round that long is its own warm-up).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hstu_block_benchmark import timed, visit_fns
+from tqdm import tqdm
+
+from device_profile import peak_memory_bytes
+from model.recommender import HSTURecommender
+
+
+@dataclass(frozen=True)
+class VisitRow:
+    history: int
+    rounds: int  # timed rounds behind the medians
+    full_ms: float
+    prefill_ms: float
+    cached_ms: float
+    history_share: float  # prefill / full: the part of a full visit spent on the history
+    speedup: float  # full / cached
+    full_peak_bytes: int  # peak memory the visit allocates above what was allocated before it
+    prefill_peak_bytes: int
+    cached_peak_bytes: int
+    kv_bytes: int  # the user's K/V pages on the device during the cached visit
+
+
+def rounds_for(history: int, repeats: int, long_history: int) -> int:
+    return 1 if history > long_history else repeats
+
+
+def measure_history(model: HSTURecommender, history: int, new: int, candidates: int, repeats: int,
+                    long_history: int, device: torch.device) -> VisitRow:
+    fns = visit_fns(model, history, 1, min(new, history), candidates, device)
+    paths = (fns.full, fns.prefill, fns.cached)
+    rounds = rounds_for(history, repeats, long_history)
+    with torch.inference_mode():
+        full_peak, prefill_peak, cached_peak = (peak_memory_bytes(fn, device) for fn in paths)  # also the warm-up
+        full_s, prefill_s, cached_s = timed(list(paths), rounds, warmup=False)
+    return VisitRow(history, rounds, full_s * 1e3, prefill_s * 1e3, cached_s * 1e3, prefill_s / full_s,
+                    full_s / cached_s, full_peak, prefill_peak, cached_peak, fns.kv_nbytes)
+
+
+def measure_visits(model: HSTURecommender, histories: list[int], new: int, candidates: int, repeats: int,
+                   long_history: int, device: torch.device) -> list[VisitRow]:
+    rows = []
+    for history in tqdm(histories, desc="visits: history lengths", leave=False):
+        rows.append(measure_history(model, history, new, candidates, repeats, long_history, device))
+    return rows
