@@ -35,8 +35,10 @@ from tqdm import tqdm
 
 from device_profile import sync
 from kvcache import HostKVStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, paged_kvcache_ops
+from kvcache.codecs import DEFAULT_CODEC
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from kvcache.storage import DiskHostStorage
+from kvcache.storage.encoded_memory_tier import EncodedMemoryStorage
 from kvcache.storage.redis_tier import RedisHostStorage
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
@@ -58,11 +60,21 @@ class Row:
 TierFactory = Callable[[int], HostKVStorage]  # history length -> an empty tier
 
 
-def tier_factories(names: list[str], workdir: Path, redis_url: str, capacity: int) -> dict[str, TierFactory]:
+def memory_tier(capacity: int, codec: str) -> HostKVStorage:
+    """The host-RAM tier `build_host_storage` builds for `codec`: the raw page slab, or encoded rows."""
+    if codec == DEFAULT_CODEC:
+        return InMemoryHostStorage(capacity)
+    return EncodedMemoryStorage(capacity, codec)
+
+
+def tier_factories(names: list[str], workdir: Path, redis_url: str, capacity: int,
+                   codec: str = DEFAULT_CODEC) -> dict[str, TierFactory]:
+    """Each tier storing pages encoded by `codec` (a `kvcache.codecs` spec)."""
+    tag = f"{os.getpid()}-{codec}"  # a directory and a Redis namespace of each codec's own
     factories: dict[str, TierFactory] = {
-        "memory": lambda history: InMemoryHostStorage(capacity),
-        "disk": lambda history: DiskHostStorage(workdir / f"disk-{history}", capacity),
-        "redis": lambda history: RedisHostStorage(redis_url, f"tier-benchmark-{os.getpid()}-{history}", capacity),
+        "memory": lambda history: memory_tier(capacity, codec),
+        "disk": lambda history: DiskHostStorage(workdir / f"disk-{tag}-{history}", capacity, codec=codec),
+        "redis": lambda history: RedisHostStorage(redis_url, f"tier-benchmark-{tag}-{history}", capacity, codec=codec),
     }
     return {name: factories[name] for name in names}
 

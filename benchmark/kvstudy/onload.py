@@ -1,11 +1,11 @@
-"""Onload: what a returning user's reload from each tier costs, against recomputing its history.
+"""Onload: what a returning user's reload from each tier costs, per codec, against recomputing its history.
 
-tier_benchmark's reload, per tier and history length: the user's L tokens are in the tier and not
-on the device; `prepare_kv_cache` of one new token onloads them (tier `info` + `read` + the copy
-into fresh device pages), then `rollback`. Medians of `repeats` rounds after a warm-up. The
-recompute it is set against is the visits section's prefill of the same history, measured in
-the same run; a visit served by a reload costs reload + cached visit, one by recompute the full
-visit.
+tier_benchmark's reload, per tier, codec (`kvcache.codecs`: how the tier stores pages) and history
+length: the user's L tokens are in the tier, encoded, and not on the device; `prepare_kv_cache` of
+one new token onloads them (tier `info` + `read` + decode + the copy into fresh device pages), then
+`rollback`. Medians of `repeats` rounds after a warm-up. The recompute it is set against is the
+visits section's prefill of the same history, measured in the same run; a visit served by a
+reload costs reload + cached visit, one by recompute the full visit.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ REDIS_MISSING = "redis-server is not installed (and no --redis_url was given): t
 @dataclass(frozen=True)
 class OnloadRow:
     tier: str
+    codec: str
     history: int
     stored_bytes: int  # the user's bytes in the tier
     reload_ms: float
@@ -52,33 +53,39 @@ def redis_url_for_run(workdir: Path, given: str | None) -> Iterator[tuple[str | 
             yield server.url, None
 
 
-def reload_ms(model: HSTURecommender, make_tier: TierFactory, history: int, repeats: int, device: torch.device) -> float:
+def reload_ms(model: HSTURecommender, make_tier: TierFactory, history: int, repeats: int, device: torch.device
+              ) -> tuple[float, int]:
+    """-> (median ms of a reload, the bytes the tier stores for the user)."""
     cache = loaded_cache(model.config, model.dtype, history, make_tier(history), device)
     try:
+        stored = cache.host_storage.bytes_used
         time_reload(cache, history)  # warm-up
-        return statistics.median(time_reload(cache, history) for _ in range(repeats)) * 1e3
+        return statistics.median(time_reload(cache, history) for _ in range(repeats)) * 1e3, stored
     finally:
         cache.invalidate_kv_cache([USER])  # frees the tier's space (Redis keys, files)
         cache.close()
         cache.host_storage.close()  # built here: the manager does not own it
 
 
-def measure_onload(model: HSTURecommender, tiers: list[str], visits: list[VisitRow], repeats: int,
+def measure_onload(model: HSTURecommender, tiers: list[str], codecs: list[str], visits: list[VisitRow], repeats: int,
                    workdir: Path, redis_url: str | None, device: torch.device) -> list[OnloadRow]:
-    """Every tier in `tiers` at every history of `visits` (the Redis tier needs `redis_url`)."""
+    """Every tier in `tiers` with every codec at every history of `visits` (the Redis tier needs `redis_url`)."""
     longest = max(v.history for v in visits)
     layout = cache_config(model.config, model.dtype, longest).page_layout
-    capacity = 2 * layout.num_pages(longest) * layout.page_nbytes  # every tier holds the user whole
-    factories = tier_factories(tiers, workdir, redis_url, capacity)
+    capacity = 2 * layout.num_pages(longest) * layout.page_nbytes  # every tier holds the user whole, raw or encoded
+    factories = {codec: tier_factories(tiers, workdir, redis_url, capacity, codec) for codec in codecs}
     rows = []
-    shapes = [(v, tier) for v in visits for tier in tiers]
-    for visit, tier in tqdm(shapes, desc="onload: tiers x histories", leave=False):
-        ms = reload_ms(model, factories[tier], visit.history, repeats, device)
-        rows.append(OnloadRow(tier, visit.history, layout.num_pages(visit.history) * layout.page_nbytes, ms,
-                              visit.prefill_ms, visit.prefill_ms / ms, ms + visit.cached_ms, visit.full_ms))
+    shapes = [(v, tier, codec) for v in visits for tier in tiers for codec in codecs]
+    for visit, tier, codec in tqdm(shapes, desc="onload: histories x tiers x codecs", leave=False):
+        ms, stored = reload_ms(model, factories[codec][tier], visit.history, repeats, device)
+        rows.append(OnloadRow(tier, codec, visit.history, stored, ms, visit.prefill_ms, visit.prefill_ms / ms,
+                              ms + visit.cached_ms, visit.full_ms))
     return rows
 
 
-def crossovers(rows: list[OnloadRow]) -> dict[str, int | None]:
-    """Per tier: the shortest history from which reloading beats recomputing at every longer one."""
-    return {tier: crossover(rows, tier) for tier in dict.fromkeys(r.tier for r in rows)}
+def crossovers(rows: list[OnloadRow]) -> dict[str, dict[str, int | None]]:
+    """Per codec and tier: the shortest history from which reloading beats recomputing at every longer
+    one (None: recomputing wins at the longest)."""
+    codecs = dict.fromkeys(r.codec for r in rows)
+    tiers = dict.fromkeys(r.tier for r in rows)
+    return {codec: {tier: crossover([r for r in rows if r.codec == codec], tier) for tier in tiers} for codec in codecs}
