@@ -55,19 +55,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--presets", nargs="+", choices=PRESET_NAMES, default=["kuairand-1k", "demo"],
                    help="presets of the K/V bytes table")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["float32", "bfloat16"], help="dtypes of that table")
-    p.add_argument("--batches", type=int, nargs="+", default=[2**i for i in range(11)])
+    p.add_argument("--batches", type=int, nargs="+", default=[2**i for i in range(11)], help="section 3's x axis")
+    p.add_argument("--memory_batch", type=int, default=4,
+                   help="the second batch size whose cached visit's peak memory is measured (>= 2)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--device_memory_gb", type=float, default=80.0,
                    help="the device budget of section 3 off CUDA (default: an H100's 80 GB); CUDA uses the GPU's")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: 1 on CPU, where cores shared with other jobs make OpenMP threads "
+                        "wait for one another, 5-10x slower and noisier; torch's choice on CUDA)")
     p.add_argument("--redis_url", default=None, help="an existing Redis (default: start redis-server on loopback)")
     p.add_argument("--workdir", default=None, help="where the disk tier and Redis write (default: a temp dir)")
     p.add_argument("--output_dir", default="artifacts/kv_study")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available on this machine")
-    if min(args.histories) < 1 or args.repeats < 1:
-        p.error("histories and --repeats must be >= 1")
+    if min(args.histories) < 1 or args.repeats < 1 or args.memory_batch < 2:
+        p.error("histories and --repeats must be >= 1, --memory_batch >= 2")
     for spec in args.codecs or ():
         try:
             get_codec(spec)
@@ -93,15 +97,19 @@ def run_study(args: argparse.Namespace, command: str) -> StudyResult:
     start = time.perf_counter()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
+    notes = []
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif device.type == "cpu":
+        torch.set_num_threads(1)
+        notes.append("One torch thread (the CPU default, --threads): on cores shared with other jobs two OpenMP "
+                     "threads wait for each other at every barrier, 5-10x slower and far noisier.")
     codecs = codecs_to_study(args.codecs)
     long_history = args.long_history or (max(args.histories) if device.type == "cuda" else 4096)
     cfg = long_history_config(preset(args.preset, video_hash_size=1024, user_feature_cardinalities=()),
                               max(args.histories))
     torch.manual_seed(0)
     model = HSTURecommender(cfg, device=device).to(dtype).eval()
-    notes = []
     tiers = list(args.tiers)
     with ExitStack() as stack:
         workdir = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -113,7 +121,7 @@ def run_study(args: argparse.Namespace, command: str) -> StudyResult:
                 notes.append(missing)
                 print(f"NOTE: {missing}", file=sys.stderr)
         visits = measure_visits(model, args.histories, args.new_tokens, args.candidates, args.repeats, long_history,
-                                device)
+                                args.memory_batch, device)
         onload = measure_onload(model, tiers, codecs, visits, args.repeats, workdir, redis_url, device)
     budget, budget_source = device_budget(device, args.device_memory_gb)
     weights = weights_bytes(args.preset, dtype)
@@ -147,7 +155,11 @@ def run_study(args: argparse.Namespace, command: str) -> StudyResult:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = "python benchmark/kv_study.py" + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    result = run_study(args, command)
+    threads = torch.get_num_threads()
+    try:
+        result = run_study(args, command)
+    finally:
+        torch.set_num_threads(threads)  # main is also called in-process (the tests)
     out = Path(args.output_dir)
     report = render(result)
     (out / "report.md").write_text(report)

@@ -4,9 +4,10 @@ K/V bytes follow from the page layout (`kvcache.PageLayout`: pages of `page_size
 of every layer plus each token's int64 time), so they are computed for every preset and dtype.
 The batch limits combine them with what the visits section measured: a batch of B users of
 history L needs B x pages(L) device pages while it is served (the users of a batch cannot evict
-one another) and B x the peak working memory of one user's visit (measured at batch 1 and taken
-to grow with B), beside the model's weights (the preset's real embedding tables). The pool is
-whatever the device budget leaves; the batch stops where pages plus working memory fill it.
+one another) and the working memory of a cached visit of B users, split from the peaks measured
+at two batch sizes into a part per batch and a part per user, beside the model's weights (the
+preset's real embedding tables). The pool is whatever the device budget leaves; the batch stops
+where pages plus working memory fill it.
 """
 from __future__ import annotations
 
@@ -35,12 +36,11 @@ class BatchLimit:
     pages_per_user: int
     page_bytes: int
     kv_bytes_per_user: int
-    cached_work_per_user: int  # peak working memory of a cached visit
-    full_work_per_user: int  # peak working memory of a full-recompute visit
+    cached_work_per_batch: int  # a cached visit's working memory that does not grow with its users
+    cached_work_per_user: int  # ... and what each user adds
     free_bytes: int  # device budget - weights
     max_batch_cached: int  # users served at once with the cache
     limited_by: str  # "K/V pages" or "working memory": the larger per-user term
-    max_batch_full: int  # users served at once by full recompute
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,12 @@ def batch_limits(config: HSTUConfig, dtype: torch.dtype, visits: list[VisitRow],
     rows = []
     for v in visits:
         kv = user_kv_bytes(layout, v.history)
-        per_user_cached = kv + v.cached_peak_bytes
-        limited_by = "K/V pages" if kv >= v.cached_peak_bytes else "working memory"
-        rows.append(BatchLimit(v.history, layout.num_pages(v.history), layout.page_nbytes, kv, v.cached_peak_bytes,
-                               v.full_peak_bytes, free, free // per_user_cached, limited_by,
-                               free // max(v.full_peak_bytes, 1)))
+        per_user = max((v.cached_peak_bytes_batch - v.cached_peak_bytes) // max(v.memory_batch - 1, 1), 0)
+        per_batch = max(v.cached_peak_bytes - per_user, 0)
+        limited_by = "K/V pages" if kv >= per_user else "working memory"
+        max_batch = max(free - per_batch, 0) // (kv + per_user)
+        rows.append(BatchLimit(v.history, layout.num_pages(v.history), layout.page_nbytes, kv, per_batch, per_user,
+                               free, max_batch, limited_by))
     return rows
 
 
@@ -92,8 +93,9 @@ def pages_for_batches(limit: BatchLimit, batches: list[int]) -> list[int]:
 
 
 def pool_pages(limit: BatchLimit, batch: int) -> int:
-    """Pages that fit beside the weights and `batch` users' working memory."""
-    return max(limit.free_bytes - batch * limit.cached_work_per_user, 0) // limit.page_bytes
+    """Pages that fit beside the weights and the working memory of a cached visit of `batch` users."""
+    work = limit.cached_work_per_batch + batch * limit.cached_work_per_user
+    return max(limit.free_bytes - work, 0) // limit.page_bytes
 
 
 def memory_per_user(visits: list[VisitRow]) -> list[UserMemory]:

@@ -162,13 +162,13 @@ def render(result: StudyResult) -> str:
     out += [
         f"Device budget {_mib(s['budget_bytes'])} MiB ({s['budget_source']}); weights of the preset with its real "
         f"embedding tables {_mib(s['weights_bytes'])} MiB; left for pages and working memory {_mib(free)} MiB. "
-        "A batch's users hold their pages while it is served, and each visit needs its working memory "
-        "(measured at batch 1, taken to grow with the batch):",
+        "A batch's users hold their pages while it is served, and the cached visit needs its working memory: "
+        f"a part per batch and a part per user, from its peaks at batch 1 and {v[0].memory_batch}:",
         "",
-        markdown_table(["history", "pages / user", "K/V MiB / user", "cached work MiB / user", "max batch, cache",
-                        "limited by", "full work MiB / user", "max batch, full recompute"],
+        markdown_table(["history", "pages / user", "K/V MiB / user", "work MiB / user", "work MiB / batch",
+                        "largest batch", "limited by"],
                        [[b.history, b.pages_per_user, _mib(b.kv_bytes_per_user), _mib(b.cached_work_per_user),
-                         f"{b.max_batch_cached:,}", b.limited_by, _mib(b.full_work_per_user), f"{b.max_batch_full:,}"]
+                         _mib(b.cached_work_per_batch), f"{b.max_batch_cached:,}", b.limited_by]
                         for b in result.limits]),
         "",
         _figure(result, "kv_bytes"),

@@ -11,7 +11,9 @@ The share of a full visit spent on the history is prefill / full; the rest is th
 the full and the cached visit's peak memory (device_profile.peak_memory_bytes) and warms them
 up; then `repeats` interleaved timed rounds, or one for histories above `long_history` (a full recompute there takes
 tens of seconds on a CPU, and a round that long is its own warm-up). The history alone is not
-memory-profiled: the cache replaces it, its memory is not what a served user holds.
+memory-profiled: the cache replaces it, its memory is not what a served user holds. The cached
+visit's peak is also measured at batch `memory_batch`: part of a visit's working memory is the
+batch's (the CPU attention's score chunk, bias tables), the rest grows with its users.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ class VisitRow:
     speedup: float  # full / cached
     full_peak_bytes: int  # peak memory the visit allocates above what was allocated before it
     cached_peak_bytes: int
+    memory_batch: int  # a second batch size whose cached visit's peak memory is measured
+    cached_peak_bytes_batch: int  # ... that peak: with batch 1's, it splits per-user from per-batch memory
     kv_bytes: int  # the user's K/V pages on the device during the cached visit
 
 
@@ -43,9 +47,17 @@ def rounds_for(history: int, repeats: int, long_history: int) -> int:
     return 1 if history > long_history else repeats
 
 
+def cached_peak_at_batch(model: HSTURecommender, history: int, new: int, candidates: int, batch: int,
+                         device: torch.device) -> int:
+    fns = visit_fns(model, history, batch, new, candidates, device)
+    with torch.inference_mode():
+        return peak_memory_bytes(fns.cached, device)
+
+
 def measure_history(model: HSTURecommender, history: int, new: int, candidates: int, repeats: int,
-                    long_history: int, device: torch.device) -> VisitRow:
-    fns = visit_fns(model, history, 1, min(new, history), candidates, device)
+                    long_history: int, memory_batch: int, device: torch.device) -> VisitRow:
+    new = min(new, history)
+    fns = visit_fns(model, history, 1, new, candidates, device)
     rounds = rounds_for(history, repeats, long_history)
     with torch.inference_mode():
         full_peak = peak_memory_bytes(fns.full, device)  # also warms the path up
@@ -54,12 +66,13 @@ def measure_history(model: HSTURecommender, history: int, new: int, candidates: 
             fns.prefill()
         full_s, prefill_s, cached_s = timed([fns.full, fns.prefill, fns.cached], rounds, warmup=False)
     return VisitRow(history, rounds, full_s * 1e3, prefill_s * 1e3, cached_s * 1e3, prefill_s / full_s,
-                    full_s / cached_s, full_peak, cached_peak, fns.kv_nbytes)
+                    full_s / cached_s, full_peak, cached_peak, memory_batch,
+                    cached_peak_at_batch(model, history, new, candidates, memory_batch, device), fns.kv_nbytes)
 
 
 def measure_visits(model: HSTURecommender, histories: list[int], new: int, candidates: int, repeats: int,
-                   long_history: int, device: torch.device) -> list[VisitRow]:
+                   long_history: int, memory_batch: int, device: torch.device) -> list[VisitRow]:
     rows = []
     for history in tqdm(histories, desc="visits: history lengths", leave=False):
-        rows.append(measure_history(model, history, new, candidates, repeats, long_history, device))
+        rows.append(measure_history(model, history, new, candidates, repeats, long_history, memory_batch, device))
     return rows
