@@ -25,16 +25,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+from kvcache.codecs import DEFAULT_CODEC, codec_names, get_codec
 from kvstudy import plots
 from kvstudy.footprint import batch_limits, kv_bytes_table, memory_per_user, weights_bytes
 from kvstudy.onload import crossovers, measure_onload, redis_url_for_run
 from kvstudy.report import StudyResult, render
 from kvstudy.visits import measure_visits
-from tier_benchmark import TIERS
-
-from kvcache.codecs import DEFAULT_CODEC, codec_names, get_codec
 from model.config import PRESET_NAMES, preset
 from model.recommender import HSTURecommender
+from tier_benchmark import TIERS
 from workloads import long_history_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,9 +44,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="kuairand-1k", choices=PRESET_NAMES, help="the model timed")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--histories", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+    p.add_argument("--histories", type=int, nargs="+", default=[16, 64, 256, 1024, 4096, 16384],
+                   help="history lengths (the short ones find where reloading stops paying)")
     p.add_argument("--candidates", type=int, default=256)
-    p.add_argument("--new_tokens", type=int, default=128, help="history tokens a cached visit appends")
+    p.add_argument("--new_tokens", type=int, default=128, help="history tokens a cached visit appends (<= half)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per history (and per reload)")
     p.add_argument("--long_history", type=int, default=None,
                    help="histories above it get one timed round (default: 4096 on CPU, none on CUDA)")

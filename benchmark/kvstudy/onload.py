@@ -10,17 +10,17 @@ reload costs reload + cached visit, one by recompute the full visit.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from tier_benchmark import USER, TierFactory, cache_config, crossover, loaded_cache, tier_factories, time_reload
 from tqdm import tqdm
 
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from model.recommender import HSTURecommender
+from tier_benchmark import USER, TierFactory, cache_config, crossover, loaded_cache, tier_factories, time_reload
 
 from .visits import VisitRow
 
@@ -38,6 +38,7 @@ class OnloadRow:
     speedup: float  # recompute / reload (> 1: reloading pays)
     visit_reload_ms: float  # reload + the cached visit
     visit_full_ms: float  # the full-recompute visit
+    visit_speedup: float  # full visit / (reload + cached visit)
 
 
 @contextmanager
@@ -79,13 +80,22 @@ def measure_onload(model: HSTURecommender, tiers: list[str], codecs: list[str], 
     for visit, tier, codec in tqdm(shapes, desc="onload: histories x tiers x codecs", leave=False):
         ms, stored = reload_ms(model, factories[codec][tier], visit.history, repeats, device)
         rows.append(OnloadRow(tier, codec, visit.history, stored, ms, visit.prefill_ms, visit.prefill_ms / ms,
-                              ms + visit.cached_ms, visit.full_ms))
+                              ms + visit.cached_ms, visit.full_ms, visit.full_ms / (ms + visit.cached_ms)))
     return rows
 
 
-def crossovers(rows: list[OnloadRow]) -> dict[str, dict[str, int | None]]:
-    """Per codec and tier: the shortest history from which reloading beats recomputing at every longer
-    one (None: recomputing wins at the longest)."""
+Crossovers = dict[str, dict[str, int | None]]  # codec -> tier -> shortest history from which reloading wins
+
+
+def _crossovers(rows: list[OnloadRow], ratio: Callable[[OnloadRow], float]) -> Crossovers:
     codecs = dict.fromkeys(r.codec for r in rows)
     tiers = dict.fromkeys(r.tier for r in rows)
-    return {codec: {tier: crossover([r for r in rows if r.codec == codec], tier) for tier in tiers} for codec in codecs}
+    return {codec: {tier: crossover([replace(r, speedup=ratio(r)) for r in rows if r.codec == codec], tier)
+                    for tier in tiers} for codec in codecs}
+
+
+def crossovers(rows: list[OnloadRow]) -> dict[str, Crossovers]:
+    """Per codec and tier, the shortest history from which reloading wins at every longer one (None:
+    recomputing wins at the longest): against recomputing the history (`history`), and for the
+    whole visit, reload + cached visit against the full visit (`visit`)."""
+    return {"history": _crossovers(rows, lambda r: r.speedup), "visit": _crossovers(rows, lambda r: r.visit_speedup)}

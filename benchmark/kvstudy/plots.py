@@ -90,11 +90,15 @@ def onload(rows: list[OnloadRow], path: Path) -> Path:
         for codec in dict.fromkeys(r.codec for r in rows):
             points = [r for r in rows if r.tier == tier and r.codec == codec]
             ax.plot([r.history for r in points], [r.speedup for r in points], "o-", ms=3, label=codec)
+        visits = [r for r in rows if r.tier == tier and r.codec == rows[0].codec]
+        ax.plot([r.history for r in visits], [r.visit_speedup for r in visits], "k--", lw=1,
+                label=f"whole visit ({rows[0].codec})")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_yscale("log")
         ax.set_title(tier)
         _history_axis(ax, sorted({r.history for r in rows}))
     axes[0][0].set_ylabel("recompute / reload (> 1: reload pays)")
+    fig.suptitle("history: recompute / reload per codec; dashed: full visit / (reload + cached visit)", fontsize=9)
     axes[0][-1].legend(fontsize=7)
     return _save(fig, path)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .footprint import BatchLimit, KVBytesRow, UserMemory
-from .onload import OnloadRow
+from .onload import Crossovers, OnloadRow
 from .visits import VisitRow
 
 MB = 2**20
@@ -24,7 +24,7 @@ class StudyResult:
     kv_bytes: list[KVBytesRow]
     limits: list[BatchLimit]
     onload: list[OnloadRow]
-    crossovers: dict[str, dict[str, int | None]]
+    crossovers: dict[str, Crossovers]  # "history", "visit"
     memory: list[UserMemory]
     figures: dict[str, str]  # section key -> PNG file name, beside the report
 
@@ -63,7 +63,7 @@ def _figure(result: StudyResult, key: str) -> str:
     return f"![{key}]({result.figures[key]})" if key in result.figures else ""
 
 
-def _crossover_text(crossovers: dict[str, dict[str, int | None]], shortest: int) -> list[str]:
+def _crossover_text(crossovers: Crossovers, shortest: int) -> list[str]:
     lines = []
     for codec, tiers in crossovers.items():
         parts = []
@@ -105,9 +105,15 @@ def _onload_section(result: StudyResult) -> list[str]:
         "",
         stored_table(rows),
         "",
-        "Where reload stops paying (the shortest history from which it wins at every longer one):",
+        "Where reload stops paying: the shortest history from which it wins at every longer one, against "
+        "recomputing the history alone,",
         "",
-        *_crossover_text(result.crossovers, histories[0]),
+        *_crossover_text(result.crossovers["history"], histories[0]),
+        "",
+        "and for the whole visit (reload + cached visit against the full visit; at short histories a cached "
+        "visit saves little, and the reload can cost more than it saves):",
+        "",
+        *_crossover_text(result.crossovers["visit"], histories[0]),
         "",
         _figure(result, "onload"),
         "",
@@ -123,7 +129,8 @@ def render(result: StudyResult) -> str:
         f"Model: the `{s['preset']}` preset's shapes ({s['shape']}), {s['dtype']}, **untrained (random-initialised) "
         "weights**: latency and memory do not depend on the weights; embedding tables shrunk to "
         f"{s['video_rows']} rows (lookups are not what is studied). Every visit: batch 1, {s['candidates']} "
-        f"candidates; a cached visit appends {s['new_tokens']} new history tokens. Medians of {s['repeats']} "
+        f"candidates; a cached visit appends {s['new_tokens']} new history tokens (at most half the history). "
+        f"Medians of {s['repeats']} "
         f"interleaved rounds after a round that measures memory and warms up; histories above "
         f"{s['long_history']}: one timed round.",
         "",
@@ -143,8 +150,9 @@ def render(result: StudyResult) -> str:
         "",
         SECTIONS[1],
         "",
-        markdown_table(["history", "cached ms", "full ms", "speedup", "timed rounds"],
-                       [[r.history, f"{r.cached_ms:,.1f}", f"{r.full_ms:,.1f}", f"{r.speedup:.2f}x", r.rounds] for r in v]),
+        markdown_table(["history", "new tokens", "cached ms", "full ms", "speedup", "timed rounds"],
+                       [[r.history, r.new_tokens, f"{r.cached_ms:,.1f}", f"{r.full_ms:,.1f}", f"{r.speedup:.2f}x", r.rounds]
+                        for r in v]),
         "",
         _figure(result, "latency"),
         "",

@@ -5,7 +5,7 @@ For each history length L, one user (batch 1) with L history tokens and `candida
   * prefill: the L history tokens alone, nothing cached: what a miss costs before scoring, and
              what a reload from a tier replaces;
   * cached:  all but the last `new` history tokens in the paged KV cache: the new tokens and the
-             candidates (hstu_block_benchmark's cached path).
+             candidates (hstu_block_benchmark's cached path); `new` is at most half the history.
 The share of a full visit spent on the history is prefill / full; the rest is the candidates'
 (their projections and their attention over the whole history). A first untimed round measures
 the full and the cached visit's peak memory (device_profile.peak_memory_bytes) and warms them
@@ -20,16 +20,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from hstu_block_benchmark import timed, visit_fns
 from tqdm import tqdm
 
 from device_profile import peak_memory_bytes
+from hstu_block_benchmark import timed, visit_fns
 from model.recommender import HSTURecommender
 
 
 @dataclass(frozen=True)
 class VisitRow:
     history: int
+    new_tokens: int  # of the cached visit
     rounds: int  # timed rounds behind the medians
     full_ms: float
     prefill_ms: float
@@ -56,7 +57,7 @@ def cached_peak_at_batch(model: HSTURecommender, history: int, new: int, candida
 
 def measure_history(model: HSTURecommender, history: int, new: int, candidates: int, repeats: int,
                     long_history: int, memory_batch: int, device: torch.device) -> VisitRow:
-    new = min(new, history)
+    new = min(new, max(history // 2, 1))
     fns = visit_fns(model, history, 1, new, candidates, device)
     rounds = rounds_for(history, repeats, long_history)
     with torch.inference_mode():
@@ -65,7 +66,7 @@ def measure_history(model: HSTURecommender, history: int, new: int, candidates: 
         if rounds > 1:  # one long round is its own warm-up
             fns.prefill()
         full_s, prefill_s, cached_s = timed([fns.full, fns.prefill, fns.cached], rounds, warmup=False)
-    return VisitRow(history, rounds, full_s * 1e3, prefill_s * 1e3, cached_s * 1e3, prefill_s / full_s,
+    return VisitRow(history, new, rounds, full_s * 1e3, prefill_s * 1e3, cached_s * 1e3, prefill_s / full_s,
                     full_s / cached_s, full_peak, cached_peak, memory_batch,
                     cached_peak_at_batch(model, history, new, candidates, memory_batch, device), fns.kv_nbytes)
 

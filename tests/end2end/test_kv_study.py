@@ -2,12 +2,12 @@
 and writes the report, its figures and the JSON (the real run is in docs/kv_study/)."""
 import json
 
-import kv_study
 import pytest
 import redis
-from kvstudy.report import SECTIONS
 
+import kv_study
 from kvcache.codecs import codec_names
+from kvstudy.report import SECTIONS
 
 FIGURES = {"share", "latency", "kv_bytes", "onload", "memory"}
 
@@ -38,7 +38,9 @@ def test_study_runs_at_tiny_sizes(redis_server, tmp_path, capsys):
         (t, c, h) for t in ("memory", "disk", "redis") for c in ("raw", "int8") for h in (16, 32)}
     stored = {(r["codec"], r["history"]): r["stored_bytes"] for r in result["onload"] if r["tier"] == "memory"}
     assert stored[("int8", 32)] < stored[("raw", 32)]
-    assert set(result["crossovers"]) == {"raw", "int8"}
+    assert set(result["crossovers"]) == {"history", "visit"}
+    assert all(set(by_codec) == {"raw", "int8"} for by_codec in result["crossovers"].values())
+    assert [v["new_tokens"] for v in result["visits"]] == [4, 4]
     assert {(r["preset"], r["dtype"]) for r in result["kv_bytes"]} == {("tiny", "float32"), ("tiny", "bfloat16")}
     assert [b["max_batch_cached"] > 0 for b in result["limits"]] == [True, True]
     assert [m["history"] for m in result["memory"]] == [16, 32]
