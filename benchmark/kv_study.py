@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="history lengths (the short ones find where reloading stops paying)")
     p.add_argument("--candidates", type=int, default=256)
     p.add_argument("--new_tokens", type=int, default=128, help="history tokens a cached visit appends (<= half)")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds per history (and per reload)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per history (and per reload)")
     p.add_argument("--long_history", type=int, default=None,
                    help="histories above it get one timed round (default: 4096 on CPU, none on CUDA)")
     p.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
