@@ -75,8 +75,8 @@ def model_flops(cfg: HSTUConfig, new: int, cached: int, candidates: int) -> floa
     return sum(layer_flops(cfg, new, cached, candidates, i < cfg.num_layers - 1) for i in range(cfg.num_layers))
 
 
-def timed(fns: list, repeats: int, warmup: bool = True) -> list[float]:
-    """Median seconds of each function over `repeats` rounds, after one warm-up round unless the
+def timed_rounds(fns: list, repeats: int, warmup: bool = True) -> list[list[float]]:
+    """Seconds of each function in each of `repeats` rounds, after one warm-up round unless the
     caller warmed them. Rounds interleave the functions, so load from other processes hits them alike."""
     if warmup:
         for fn in fns:
@@ -87,7 +87,12 @@ def timed(fns: list, repeats: int, warmup: bool = True) -> list[float]:
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
-    return [statistics.median(s) for s in samples]
+    return samples
+
+
+def timed(fns: list, repeats: int, warmup: bool = True) -> list[float]:
+    """Median seconds of each function over `timed_rounds`."""
+    return [statistics.median(s) for s in timed_rounds(fns, repeats, warmup)]
 
 
 class VisitFns(NamedTuple):

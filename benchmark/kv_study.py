@@ -31,7 +31,7 @@ from kvstudy import plots
 from kvstudy.footprint import batch_limits, kv_bytes_table, memory_per_user, weights_bytes
 from kvstudy.onload import crossovers, measure_onload, redis_url_for_run
 from kvstudy.report import StudyResult, render
-from kvstudy.visits import measure_visits
+from kvstudy.visits import LONG_ROUNDS, measure_visits
 from model.config import PRESET_NAMES, preset
 from model.recommender import HSTURecommender
 from tier_benchmark import TIERS
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new_tokens", type=int, default=128, help="history tokens a cached visit appends (<= half)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per history (and per reload)")
     p.add_argument("--long_history", type=int, default=None,
-                   help="histories above it get one timed round (default: 4096 on CPU, none on CUDA)")
+                   help="histories above it get 2 timed rounds (default: 4096 on CPU, none on CUDA)")
     p.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
     p.add_argument("--codecs", nargs="+", default=None, help="kvcache.codecs specs (default: every registered codec)")
     p.add_argument("--presets", nargs="+", choices=PRESET_NAMES, default=["kuairand-1k", "demo"],
@@ -146,7 +146,8 @@ def run_study(args: argparse.Namespace, command: str) -> StudyResult:
         "shape": f"{cfg.num_layers} layers, hidden {cfg.hidden_dim}, {cfg.num_heads} heads x {cfg.head_dim}, "
                  f"page {cfg.page_size}",
         "video_rows": cfg.video_hash_size, "candidates": args.candidates, "new_tokens": args.new_tokens,
-        "repeats": args.repeats, "long_history": long_history, "tiers": tiers, "codecs": codecs,
+        "repeats": args.repeats, "long_history": long_history, "long_rounds": min(LONG_ROUNDS, args.repeats),
+        "tiers": tiers, "codecs": codecs,
         "budget_bytes": budget, "budget_source": budget_source, "weights_bytes": weights, "notes": notes,
         "wall_s": time.perf_counter() - start,
     }

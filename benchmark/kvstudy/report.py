@@ -132,7 +132,7 @@ def render(result: StudyResult) -> str:
         f"candidates; a cached visit appends {s['new_tokens']} new history tokens (at most half the history). "
         f"Medians of {s['repeats']} "
         f"interleaved rounds after a round that measures memory and warms up; histories above "
-        f"{s['long_history']}: one timed round.",
+        f"{s['long_history']}: {s['long_rounds']} timed rounds. Shares and speedups: medians of the per-round ratios.",
         "",
         *(f"> {note}" for note in s["notes"]),
         "",

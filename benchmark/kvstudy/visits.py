@@ -9,21 +9,23 @@ For each history length L, one user (batch 1) with L history tokens and `candida
 The share of a full visit spent on the history is prefill / full; the rest is the candidates'
 (their projections and their attention over the whole history). A first untimed round measures
 the full and the cached visit's peak memory (device_profile.peak_memory_bytes) and warms them
-up; then `repeats` interleaved timed rounds, or one for histories above `long_history` (a full recompute there takes
-tens of seconds on a CPU, and a round that long is its own warm-up). The history alone is not
+up; then `repeats` interleaved timed rounds, or LONG_ROUNDS for histories above `long_history` (a full recompute there
+takes tens of seconds on a CPU, and a round that long is its own warm-up). Shares and speedups are
+medians of the per-round ratios: the paths of one round ran under the same load. The history alone is not
 memory-profiled: the cache replaces it, its memory is not what a served user holds. The cached
 visit's peak is also measured at batch `memory_batch`: part of a visit's working memory is the
 batch's (the CPU attention's score chunk, bias tables), the rest grows with its users.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from device_profile import peak_memory_bytes
-from hstu_block_benchmark import timed, visit_fns
+from hstu_block_benchmark import timed_rounds, visit_fns
 from model.recommender import HSTURecommender
 
 
@@ -35,8 +37,8 @@ class VisitRow:
     full_ms: float
     prefill_ms: float
     cached_ms: float
-    history_share: float  # prefill / full: the part of a full visit spent on the history
-    speedup: float  # full / cached
+    history_share: float  # prefill / full (median of the rounds'): the part of a full visit spent on the history
+    speedup: float  # full / cached (median of the rounds')
     full_peak_bytes: int  # peak memory the visit allocates above what was allocated before it
     cached_peak_bytes: int
     memory_batch: int  # a second batch size whose cached visit's peak memory is measured
@@ -44,8 +46,11 @@ class VisitRow:
     kv_bytes: int  # the user's K/V pages on the device during the cached visit
 
 
+LONG_ROUNDS = 2
+
+
 def rounds_for(history: int, repeats: int, long_history: int) -> int:
-    return 1 if history > long_history else repeats
+    return min(LONG_ROUNDS, repeats) if history > long_history else repeats
 
 
 def cached_peak_at_batch(model: HSTURecommender, history: int, new: int, candidates: int, batch: int,
@@ -63,11 +68,13 @@ def measure_history(model: HSTURecommender, history: int, new: int, candidates: 
     with torch.inference_mode():
         full_peak = peak_memory_bytes(fns.full, device)  # also warms the path up
         cached_peak = peak_memory_bytes(fns.cached, device)
-        if rounds > 1:  # one long round is its own warm-up
+        if history <= long_history:  # a long round is its own warm-up
             fns.prefill()
-        full_s, prefill_s, cached_s = timed([fns.full, fns.prefill, fns.cached], rounds, warmup=False)
-    return VisitRow(history, new, rounds, full_s * 1e3, prefill_s * 1e3, cached_s * 1e3, prefill_s / full_s,
-                    full_s / cached_s, full_peak, cached_peak, memory_batch,
+        full, prefill, cached = timed_rounds([fns.full, fns.prefill, fns.cached], rounds, warmup=False)
+    share = statistics.median(p / f for p, f in zip(prefill, full))
+    speedup = statistics.median(f / c for f, c in zip(full, cached))
+    ms = [statistics.median(s) * 1e3 for s in (full, prefill, cached)]
+    return VisitRow(history, new, rounds, *ms, share, speedup, full_peak, cached_peak, memory_batch,
                     cached_peak_at_batch(model, history, new, candidates, memory_batch, device), fns.kv_nbytes)
 
 
