@@ -125,7 +125,7 @@ def render(result: StudyResult) -> str:
     out = [
         "# KV-reuse study",
         "",
-        f"Produced by `{s['command']}` in **{s['wall_s']:.0f} s** on {s['device_name']} ({s['threads']} torch threads).",
+        f"Produced by `{s['command']}` in **{s['wall_s']:.0f} s** on {s['device_name']}, torch threads: {s['threads']}.",
         f"Model: the `{s['preset']}` preset's shapes ({s['shape']}), {s['dtype']}, **untrained (random-initialised) "
         "weights**: latency and memory do not depend on the weights; embedding tables shrunk to "
         f"{s['video_rows']} rows (lookups are not what is studied). Every visit: batch 1, {s['candidates']} "
