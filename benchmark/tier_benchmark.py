@@ -34,8 +34,10 @@ import torch
 from tqdm import tqdm
 
 from kvcache import HostKVStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, paged_kvcache_ops
+from kvcache.codecs import DEFAULT_CODEC, get_codec
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from kvcache.storage import DiskHostStorage
+from kvcache.storage.encoded_memory_tier import EncodedMemoryStorage
 from kvcache.storage.redis_tier import RedisHostStorage
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
@@ -57,13 +59,21 @@ class Row:
 TierFactory = Callable[[int], HostKVStorage]  # history length -> an empty tier
 
 
-def tier_factories(names: list[str], workdir: Path, redis_url: str, capacity: int) -> dict[str, TierFactory]:
-    factories: dict[str, TierFactory] = {
-        "memory": lambda history: InMemoryHostStorage(capacity),
-        "disk": lambda history: DiskHostStorage(workdir / f"disk-{history}", capacity),
-        "redis": lambda history: RedisHostStorage(redis_url, f"tier-benchmark-{os.getpid()}-{history}", capacity),
-    }
-    return {name: factories[name] for name in names}
+def tier_factories(names: list[str], workdir: Path, redis_url: str, capacity: int,
+                   codecs: list[str] = (DEFAULT_CODEC,)) -> dict[str, TierFactory]:
+    """One factory per tier and codec, named `tier` (raw) or `tier codec`."""
+
+    def make(name: str, codec: str) -> TierFactory:
+        if name == "memory":
+            if codec == DEFAULT_CODEC:
+                return lambda history: InMemoryHostStorage(capacity)
+            return lambda history: EncodedMemoryStorage(capacity, codec)
+        if name == "disk":
+            return lambda history: DiskHostStorage(workdir / f"disk-{codec}-{history}", capacity, codec=codec)
+        namespace = f"tier-benchmark-{os.getpid()}-{codec}"
+        return lambda history: RedisHostStorage(redis_url, f"{namespace}-{history}", capacity, codec=codec)
+
+    return {name if codec == DEFAULT_CODEC else f"{name} {codec}": make(name, codec) for codec in codecs for name in names}
 
 
 def cache_config(model_cfg: HSTUConfig, dtype: torch.dtype, history: int) -> KVCacheConfig:
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
     p.add_argument("--histories", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
+    p.add_argument("--kv_codecs", nargs="+", default=[DEFAULT_CODEC],
+                   help="codec specs the tiers store pages with (kvcache.codecs), each timed as a tier of its own")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -177,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             if redis_server_binary() is None:
                 p.error("redis-server is not installed: pass --redis_url or leave out the redis tier")
             redis_url = stack.enter_context(LocalRedisServer(workdir / "redis")).url
-        factories = tier_factories(args.tiers, workdir, redis_url, capacity)
+        codecs = [get_codec(c).spec for c in args.kv_codecs]
+        factories = tier_factories(args.tiers, workdir, redis_url, capacity, codecs)
         rows: list[Row] = []
         with tqdm(total=len(args.histories) * (args.repeats + 1), desc="rounds", file=sys.stderr) as progress:
             for history in args.histories:
@@ -185,11 +198,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"kuairand-1k geometry ({cfg.num_layers} layers, {cfg.num_heads} heads x {cfg.head_dim}, page "
           f"{cfg.page_size}), {args.dtype}, {torch.get_num_threads()} threads; medians of {args.repeats} rounds")
-    print(f"{'tier':<7} {'history':>7} {'MB':>7} {'reload ms':>10} {'recompute ms':>13} {'recompute/reload':>17}")
+    print(f"{'tier':<28} {'history':>7} {'MB':>7} {'reload ms':>10} {'recompute ms':>13} {'recompute/reload':>17}")
     for r in rows:
-        print(f"{r.tier:<7} {r.history:>7} {r.history * layout.token_nbytes / 2**20:>7.1f} {r.reload_ms:>10.2f} "
+        print(f"{r.tier:<28} {r.history:>7} {r.history * layout.token_nbytes / 2**20:>7.1f} {r.reload_ms:>10.2f} "
               f"{r.recompute_ms:>13.1f} {r.speedup:>16.1f}x")
-    crossovers = {tier: crossover(rows, tier) for tier in args.tiers}
+    crossovers = {tier: crossover(rows, tier) for tier in factories}
     for tier, length in crossovers.items():
         if length is None:
             print(f"{tier}: recompute is faster at the longest history tested")
