@@ -10,7 +10,8 @@ from kvcache.page_data import PageData, empty_pages
 
 LAYOUT = PageLayout(num_layers=3, num_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
 LOSSLESS = ["raw", "zstd", "zstd:shuffle=0", "zstd:level=1"]
-LOSSY = ["bf16", "fp16", "int8", "int8:mode=affine", "mixed", "mixed:shallow=raw,shallow_layers=2,deep=int8affine"]
+LOSSY = ["bf16", "fp16", "int8", "int8:mode=affine", "mixed", "mixed:shallow=raw,shallow_layers=2,deep=int8affine",
+         "sparse:keep=50,values=int8"]
 
 
 def _normal_pages(n, seed, scale=1.0, layout=LAYOUT):
@@ -22,7 +23,7 @@ def _normal_pages(n, seed, scale=1.0, layout=LAYOUT):
 
 
 def test_names_and_canonical_specs():
-    assert codec_names() == ["bf16", "fp16", "int8", "mixed", "raw", "zstd"]
+    assert codec_names() == ["bf16", "fp16", "int8", "mixed", "raw", "sparse", "zstd"]
     assert get_codec("zstd").spec == "zstd:level=3,shuffle=1"
     assert get_codec("int8").spec == "int8:mode=sym"
     assert get_codec("mixed:deep=int8,shallow_layers=2").spec == "mixed:deep=int8,shallow=bf16,shallow_layers=2"
