@@ -146,6 +146,13 @@ def bench_history(model: HSTURecommender, factories: dict[str, TierFactory], his
     ]
 
 
+def reload_vs_raw(rows: list[Row]) -> dict[str, float]:
+    """`tier codec @ history` -> its reload time over the raw reload of the same tier and history (< 1: faster)."""
+    raw = {(r.tier, r.history): r.reload_ms for r in rows if " " not in r.tier}
+    return {f"{r.tier} @ {r.history}": r.reload_ms / raw[r.tier.split(" ")[0], r.history]
+            for r in rows if " " in r.tier and (r.tier.split(" ")[0], r.history) in raw}
+
+
 def crossover(rows: list[Row], tier: str) -> int | None:
     """The shortest tested history from which reloading beats recomputing at every longer one (None: never)."""
     best = None
@@ -202,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r.tier:<28} {r.history:>7} {r.history * layout.token_nbytes / 2**20:>7.1f} {r.reload_ms:>10.2f} "
               f"{r.recompute_ms:>13.1f} {r.speedup:>16.1f}x")
+    vs_raw = reload_vs_raw(rows)
+    for name, ratio in vs_raw.items():
+        print(f"{name}: reload {ratio:.2f}x the raw reload's time")
     crossovers = {tier: crossover(rows, tier) for tier in factories}
     for tier, length in crossovers.items():
         if length is None:
@@ -211,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tier}: reload beats recompute from {length} tokens on{shortest}")
     result = {"preset": "kuairand-1k", "dtype": args.dtype, "threads": torch.get_num_threads(),
               "repeats": args.repeats, "tiers": args.tiers, "histories": args.histories,
-              "rows": [asdict(r) for r in rows], "crossover": crossovers}
+              "rows": [asdict(r) for r in rows], "crossover": crossovers,
+              "reload_vs_raw": vs_raw}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2))
     print(f"results: {args.output}")

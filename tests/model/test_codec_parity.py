@@ -62,3 +62,13 @@ def test_lossy_codec_logits_within_claimed_bound(world, codec):
     diff = float((raw - lossy).abs().max())
     print(f"{codec}: max |logit diff| {diff:.3g}")
     assert 0 < diff <= LOGIT_TOLERANCE[codec]
+
+
+def test_sparse_keeping_every_token_is_exact_and_dropping_tokens_moves_logits(world):
+    """A sparse codec that keeps 100% is raw by another name: bit-identical logits. Keeping fewer tokens
+    moves them, more the fewer it keeps."""
+    dataset, model, raw = world
+    assert torch.equal(raw, returning_logits(model, dataset, kv_codec="sparse:keep=100,recent=0"))
+    half = (raw - returning_logits(model, dataset, kv_codec="sparse:keep=50,recent=0")).abs().mean()
+    fifth = (raw - returning_logits(model, dataset, kv_codec="sparse:keep=20,recent=0")).abs().mean()
+    assert 0 < half < fifth
