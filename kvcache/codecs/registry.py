@@ -9,12 +9,13 @@ Specs (`name` or `name:key=value,...`; `get_codec(s).spec` is the canonical form
 | `bf16`, `fp16` | a down-cast (fp16 clamps at +-65504) | 2 | no |
 | `int8[:mode=sym]` | 8-bit codes, a float32 scale per page, layer, K/V and head; `mode=affine` adds a minimum | ~1 | no |
 | `mixed[:shallow=bf16,shallow_layers=1,deep=int8]` | layers `[0, shallow_layers)` as `shallow`, others `deep` | between | no |
-| `sparse[:keep=50,recent=1,score=vnorm,values=raw]` | per page the `keep`% top-scoring tokens (see below) | ~keep% | no |
+| `sparse[:keep=50,merge=0,recent=1,score=vnorm,values=raw]` | per page the `keep`% top-scoring tokens (see below) | ~keep% | no |
 
 `mixed`'s `shallow` and `deep`, and `sparse`'s `values`, are each `raw` (the layout's dtype), `bf16`,
 `fp16`, `int8` or `int8affine`. `sparse` stores the kept tokens' K/V as `values` and drops the others
 (decoded as zero K/V, a removed key for HSTU's attention); the last `recent` pages of each write are
-kept whole; `score` is `vnorm`, `knorm`, `kvnorm` or `stride` (`codecs/sparse.py`).
+kept whole; `score` is `vnorm`, `knorm`, `kvnorm` or `stride`; `merge=1` folds the dropped tokens
+of a page into one stored token (`codecs/sparse.py`).
 
 Times are exact under every codec. Lossy codecs bound their error per element (`max_abs_error`).
 """
@@ -112,7 +113,8 @@ def _sparse(params: dict[str, str]) -> KVCodec:
     recent = _int_param(params, "recent", 1, 0, 1 << 16)
     score = _choice(params, "score", "vnorm", SCORES)
     values = _choice(params, "values", "raw", _VALUE_NAMES)
-    return SparseCodec(keep, recent, score, values, _value_codec(values))
+    merge = _int_param(params, "merge", 0, 0, 1)
+    return SparseCodec(keep, recent, score, values, _value_codec(values), merge=bool(merge))
 
 
 def _int8(params: dict[str, str]) -> KVCodec:
@@ -132,4 +134,4 @@ register_codec("bf16", lambda params: FixedWidthCodec("bf16", [(0, _VALUE_CODECS
 register_codec("fp16", lambda params: FixedWidthCodec("fp16", [(0, _VALUE_CODECS["fp16"]())]))
 register_codec("int8", _int8, frozenset({"mode"}))
 register_codec("mixed", _mixed, frozenset({"deep", "shallow", "shallow_layers"}))
-register_codec("sparse", _sparse, frozenset({"keep", "recent", "score", "values"}))
+register_codec("sparse", _sparse, frozenset({"keep", "merge", "recent", "score", "values"}))

@@ -16,6 +16,8 @@ Which tokens: per page, the `keep`% (rounded up) with the highest score, where `
 - `knorm`: the same of |K|, `kvnorm`: of |K| * |V|,
 - `stride`: evenly spaced slots (a score-free baseline).
 A per-page quota keeps pages independently decodable and every page of the history represented.
+Dropping tokens from an unnormalised sum shrinks every later output (softmax would renormalise);
+`merge=1` folds a page's dropped tokens into one more stored token (`SparseCodec.stored_tokens`).
 The last `recent` pages of each write, which hold the user's newest tokens (and its partial last
 page, which the next incremental write rewrites), are kept whole.
 
@@ -64,10 +66,12 @@ def kept_slots(kv: Tensor, score: str, m: int) -> Tensor:
 
 
 class SparseCodec(KVCodec):
-    def __init__(self, keep_percent: int, recent_pages: int, score: str, values_name: str, values: ValueCodec) -> None:
+    def __init__(self, keep_percent: int, recent_pages: int, score: str, values_name: str, values: ValueCodec,
+                 merge: bool = False) -> None:
         if not 1 <= keep_percent <= 100 or recent_pages < 0 or score not in SCORES:
             raise ValueError(f"SparseCodec: bad keep={keep_percent}, recent={recent_pages} or score={score!r}.")
         self.keep_percent = keep_percent
+        self.merge = merge
         self.recent_pages = recent_pages
         self.score = score
         self.values_name = values_name
@@ -75,7 +79,8 @@ class SparseCodec(KVCodec):
 
     @property
     def spec(self) -> str:
-        return f"sparse:keep={self.keep_percent},recent={self.recent_pages},score={self.score},values={self.values_name}"
+        return (f"sparse:keep={self.keep_percent},merge={int(self.merge)},recent={self.recent_pages},"
+                f"score={self.score},values={self.values_name}")
 
     def kept_per_page(self, layout: PageLayout) -> int:
         return max(1, math.ceil(layout.page_size * self.keep_percent / 100))
@@ -95,25 +100,50 @@ class SparseCodec(KVCodec):
         runs = [(slice(0, dense_from), m), (slice(dense_from, k), layout.page_size)]
         return [(pages, kept) for pages, kept in runs if pages.stop > pages.start]
 
+    def _stored(self, page_size: int, m: int) -> int:
+        """Tokens a page keeping its top m stores: the merged token too, when there is one."""
+        return m + int(self.merge and m < page_size)
+
+    def stored_tokens(self, kv: Tensor, m: int) -> tuple[Tensor, Tensor]:
+        """What pages kv [k, L, 2, S, H, D] keeping their top m store: slots [k, n] and K/V [k, L, 2, n, H, D].
+
+        With `merge`, the dropped tokens are folded into one more token at the middle dropped slot:
+        K their mean, V their sum, so the attention mass they carried stays (silu(q.mean k + b) * sum v
+        to first order) instead of vanishing from HSTU's unnormalised sum."""
+        slots = kept_slots(kv, self.score, m)
+        tokens = _gather_tokens(kv, slots)
+        k, page_size = kv.shape[0], kv.shape[3]
+        if self._stored(page_size, m) == m:
+            return slots, tokens
+        dropped = torch.ones(k, page_size, dtype=torch.bool).scatter_(1, slots, False)  # [k, S]
+        middle = torch.where(dropped, torch.arange(page_size), page_size).sort(dim=1).values[:, (page_size - m - 1) // 2]
+        weights = dropped[:, None, :, None, None].float()  # over [k, L, S, H, D]
+        x = kv.float()
+        k_mean = (x[:, :, 0] * weights).sum(dim=2) / (page_size - m)  # [k, L, H, D]
+        v_sum = (x[:, :, 1] * weights).sum(dim=2)
+        merged = torch.stack([k_mean, v_sum], dim=2)[:, :, :, None].to(kv.dtype)  # [k, L, 2, 1, H, D]
+        return torch.cat([slots, middle[:, None]], dim=1), torch.cat([tokens, merged], dim=3)
+
     def encode(self, layout: PageLayout, pages: PageData) -> EncodedPages:
         k = pages.num_pages
         runs = self._plan(layout, k)
-        widths = np.concatenate([np.full(p.stop - p.start, self._fields(layout, m)[2], dtype=np.int64) for p, m in runs]
+        width = {m: self._fields(layout, self._stored(layout.page_size, m))[2] for _, m in runs}
+        widths = np.concatenate([np.full(p.stop - p.start, width[m], dtype=np.int64) for p, m in runs]
                                 or [np.zeros(0, dtype=np.int64)])
         offsets = np.zeros(k + 1, dtype=np.int64)
         np.cumsum(widths, out=offsets[1:])
         with torch.inference_mode(False):  # tiers keep these bytes past the caller's inference mode
             data = torch.empty(int(offsets[-1]), dtype=torch.uint8)
         for run, m in runs:
-            sub, values_at, width = self._fields(layout, m)
+            slots, tokens = self.stored_tokens(pages.kv[run], m)
+            n = slots.shape[1]
+            sub, values_at, width = self._fields(layout, n)
             rows = data[offsets[run.start] : offsets[run.stop]].view(run.stop - run.start, width)
-            kv = pages.kv[run]
-            slots = kept_slots(kv, self.score, m)
-            rows[:, :_HEADER].view(torch.int64).fill_(m)
+            rows[:, :_HEADER].view(torch.int64).fill_(n)
             rows[:, _HEADER : _HEADER + layout.page_size * TIME_NBYTES].view(torch.int64).copy_(pages.times[run])
             slots_at = _HEADER + layout.page_size * TIME_NBYTES
-            rows[:, slots_at : slots_at + 2 * m].view(torch.int16).copy_(slots)
-            self.values.encode_into(sub, _gather_tokens(kv, slots), rows[:, values_at:])
+            rows[:, slots_at : slots_at + 2 * n].view(torch.int16).copy_(slots)
+            self.values.encode_into(sub, tokens, rows[:, values_at:])
         return EncodedPages(self.spec, data, offsets)
 
     def decode(self, layout: PageLayout, encoded: EncodedPages) -> PageData:
@@ -142,14 +172,16 @@ class SparseCodec(KVCodec):
         return out
 
     def max_abs_error(self, layout: PageLayout, pages: PageData) -> Tensor:
-        """Dropped tokens: |x| (decoded as 0); kept ones: the value codec's bound on the kept tokens' page."""
-        bound = pages.kv.float().abs()
+        """|x - what is stored in x's slot| (a dropped token decodes as 0, a merged one as the merge), plus
+        the value codec's bound on the stored tokens."""
+        x = pages.kv.float()
+        bound = torch.zeros_like(x)
         for run, m in self._plan(layout, pages.num_pages):
-            kv = pages.kv[run]
-            slots = kept_slots(kv, self.score, m)
-            sub = dataclasses.replace(layout, page_size=m)
-            kept_bound = self.values.max_abs_error(sub, _gather_tokens(kv, slots))
-            bound[run].scatter_(3, _slot_index(slots, kept_bound.shape), kept_bound)
+            slots, tokens = self.stored_tokens(pages.kv[run], m)
+            index = _slot_index(slots, tokens.shape)
+            sub = dataclasses.replace(layout, page_size=slots.shape[1])
+            bound[run] = (x[run] - torch.zeros_like(x[run]).scatter_(3, index, tokens.float())).abs()
+            bound[run].scatter_add_(3, index, self.values.max_abs_error(sub, tokens))
         return bound
 
 

@@ -115,3 +115,20 @@ def test_encoding_strided_pages_equals_encoding_dense_ones():
         codec = get_codec(spec)
         a, b = codec.encode(LAYOUT, dense), codec.encode(LAYOUT, strided)
         assert torch.equal(a.data, b.data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_into_strided_output_equals_decode(dtype):
+    """Fixed-width codecs decode each run of layers straight into the output pages (one pass, no
+    temporary): bit-identical to the value codec's own decode."""
+    from kvcache.codecs.int8 import Int8Values
+    from kvcache.codecs.values import CastValues
+
+    layout = PageLayout(3, 2, 8, 4, dtype)
+    kv = _normal_pages(3, 7, layout=layout).kv
+    for values in [Int8Values(affine=False), Int8Values(affine=True), CastValues("bf16", torch.bfloat16)]:
+        rows = torch.empty((3, values.width(layout, 2)), dtype=torch.uint8)
+        values.encode_into(layout, kv[:, 1:], rows)
+        out = torch.full_like(kv, 7.0)
+        values.decode_into(layout, rows, out[:, 1:])
+        assert torch.equal(out[:, 1:], values.decode(layout, rows, 2)) and bool((out[:, 0] == 7.0).all())

@@ -26,8 +26,8 @@ def _round_trip(spec, pages, layout=LAYOUT):
 
 
 def test_specs_are_canonical_and_checked():
-    assert get_codec("sparse").spec == "sparse:keep=50,recent=1,score=vnorm,values=raw"
-    assert get_codec("sparse:values=int8,keep=10").spec == "sparse:keep=10,recent=1,score=vnorm,values=int8"
+    assert get_codec("sparse").spec == "sparse:keep=50,merge=0,recent=1,score=vnorm,values=raw"
+    assert get_codec("sparse:values=int8,keep=10,merge=1").spec == "sparse:keep=10,merge=1,recent=1,score=vnorm,values=int8"
     for bad, problem in [("sparse:keep=0", "keep must be in"), ("sparse:score=h2o", "score must be one of"),
                          ("sparse:values=zstd", "values must be one of"), ("sparse:recent=-1", "recent must be in")]:
         with pytest.raises(CodecSpecError, match=problem):
@@ -70,7 +70,7 @@ def test_kvnorm_ranks_by_the_product_and_full_keep_is_exact():
 
 
 @pytest.mark.parametrize("spec", ["sparse:keep=20", "sparse:keep=50,values=int8,score=kvnorm",
-                                  "sparse:keep=10,values=bf16,recent=0"])
+                                  "sparse:keep=20,merge=1,values=int8", "sparse:keep=10,values=bf16,recent=0"])
 def test_error_within_bound_and_bytes_shrink(spec):
     pages = _pages(6, seed=4)
     codec = get_codec(spec)
@@ -129,3 +129,20 @@ def test_page_data_is_untouched_by_encoding():
     before = PageData(pages.kv.clone(), pages.times.clone())
     get_codec("sparse:keep=25,values=int8").encode(LAYOUT, pages)
     assert torch.equal(pages.kv, before.kv) and torch.equal(pages.times, before.times)
+
+
+def test_merge_folds_the_dropped_tokens_into_one_stored_token():
+    """merge=1: the page stores its top tokens and, at the middle dropped slot, the dropped tokens' mean K
+    and summed V; every other dropped slot decodes as zero."""
+    pages = _pages(1)
+    pages.kv[0, :, 1, 6] *= 100  # slot 6 is the top |V| token
+    decoded = _round_trip("sparse:keep=1,merge=1,recent=0", pages)  # keeps 1 of 8, merges 7
+    dropped = [0, 1, 2, 3, 4, 5, 7]
+    assert torch.equal(decoded.kv[0, :, :, 6], pages.kv[0, :, :, 6])
+    merged = decoded.kv[0, :, :, 3]  # the middle of the dropped slots
+    assert torch.allclose(merged[:, 0], pages.kv[0, :, 0, dropped].mean(dim=1), atol=1e-6)
+    assert torch.allclose(merged[:, 1], pages.kv[0, :, 1, dropped].sum(dim=1), atol=1e-6)
+    others = [0, 1, 2, 4, 5, 7]
+    assert not decoded.kv[0, :, :, others].any()
+    codec = get_codec("sparse:keep=1,merge=1,recent=0")
+    assert ((decoded.kv - pages.kv).abs() <= codec.max_abs_error(LAYOUT, pages)).all()
