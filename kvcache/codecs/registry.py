@@ -14,8 +14,8 @@ Specs (`name` or `name:key=value,...`; `get_codec(s).spec` is the canonical form
 `mixed`'s `shallow` and `deep`, and `sparse`'s `values`, are each `raw` (the layout's dtype), `bf16`,
 `fp16`, `int8` or `int8affine`. `sparse` stores the kept tokens' K/V as `values` and drops the others
 (decoded as zero K/V, a removed key for HSTU's attention); the last `recent` pages of each write are
-kept whole; `score` is `vnorm`, `knorm`, `kvnorm` or `stride`; `merge=1` folds the dropped tokens
-of a page into one stored token (`codecs/sparse.py`).
+kept whole; `score` is `vnorm`, `knorm`, `kvnorm` or `stride`; `merge=g` folds the dropped tokens
+of a page into g stored tokens (`codecs/sparse.py`).
 
 Times are exact under every codec. Lossy codecs bound their error per element (`max_abs_error`).
 """
@@ -113,8 +113,8 @@ def _sparse(params: dict[str, str]) -> KVCodec:
     recent = _int_param(params, "recent", 1, 0, 1 << 16)
     score = _choice(params, "score", "vnorm", SCORES)
     values = _choice(params, "values", "raw", _VALUE_NAMES)
-    merge = _int_param(params, "merge", 0, 0, 1)
-    return SparseCodec(keep, recent, score, values, _value_codec(values), merge=bool(merge))
+    merge = _int_param(params, "merge", 0, 0, 1 << 15)
+    return SparseCodec(keep, recent, score, values, _value_codec(values), merge=merge)
 
 
 def _int8(params: dict[str, str]) -> KVCodec:

@@ -17,7 +17,7 @@ Which tokens: per page, the `keep`% (rounded up) with the highest score, where `
 - `stride`: evenly spaced slots (a score-free baseline).
 A per-page quota keeps pages independently decodable and every page of the history represented.
 Dropping tokens from an unnormalised sum shrinks every later output (softmax would renormalise);
-`merge=1` folds a page's dropped tokens into one more stored token (`SparseCodec.stored_tokens`).
+`merge=g` folds a page's dropped tokens into g more stored tokens (`SparseCodec.stored_tokens`).
 The last `recent` pages of each write, which hold the user's newest tokens (and its partial last
 page, which the next incremental write rewrites), are kept whole.
 
@@ -32,6 +32,7 @@ import math
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import TIME_NBYTES, PageLayout
@@ -67,8 +68,8 @@ def kept_slots(kv: Tensor, score: str, m: int) -> Tensor:
 
 class SparseCodec(KVCodec):
     def __init__(self, keep_percent: int, recent_pages: int, score: str, values_name: str, values: ValueCodec,
-                 merge: bool = False) -> None:
-        if not 1 <= keep_percent <= 100 or recent_pages < 0 or score not in SCORES:
+                 merge: int = 0) -> None:
+        if not 1 <= keep_percent <= 100 or recent_pages < 0 or score not in SCORES or merge < 0:
             raise ValueError(f"SparseCodec: bad keep={keep_percent}, recent={recent_pages} or score={score!r}.")
         self.keep_percent = keep_percent
         self.merge = merge
@@ -79,7 +80,7 @@ class SparseCodec(KVCodec):
 
     @property
     def spec(self) -> str:
-        return (f"sparse:keep={self.keep_percent},merge={int(self.merge)},recent={self.recent_pages},"
+        return (f"sparse:keep={self.keep_percent},merge={self.merge},recent={self.recent_pages},"
                 f"score={self.score},values={self.values_name}")
 
     def kept_per_page(self, layout: PageLayout) -> int:
@@ -101,28 +102,31 @@ class SparseCodec(KVCodec):
         return [(pages, kept) for pages, kept in runs if pages.stop > pages.start]
 
     def _stored(self, page_size: int, m: int) -> int:
-        """Tokens a page keeping its top m stores: the merged token too, when there is one."""
-        return m + int(self.merge and m < page_size)
+        """Tokens a page keeping its top m stores: the merged tokens too."""
+        return m + min(self.merge, page_size - m)
 
     def stored_tokens(self, kv: Tensor, m: int) -> tuple[Tensor, Tensor]:
         """What pages kv [k, L, 2, S, H, D] keeping their top m store: slots [k, n] and K/V [k, L, 2, n, H, D].
 
-        With `merge`, the dropped tokens are folded into one more token at the middle dropped slot:
-        K their mean, V their sum, so the attention mass they carried stays (silu(q.mean k + b) * sum v
-        to first order) instead of vanishing from HSTU's unnormalised sum."""
+        With `merge` = g, the dropped tokens, in slot order, are split into g runs of nearly equal
+        size, each folded into one token at its middle slot: K the run's mean, V its sum, so the
+        attention mass they carried stays (silu(q.mean k + b) * sum v to first order) instead of
+        vanishing from HSTU's unnormalised sum."""
         slots = kept_slots(kv, self.score, m)
         tokens = _gather_tokens(kv, slots)
         k, page_size = kv.shape[0], kv.shape[3]
-        if self._stored(page_size, m) == m:
+        d = page_size - m
+        groups = self._stored(page_size, m) - m
+        if not groups:
             return slots, tokens
         dropped = torch.ones(k, page_size, dtype=torch.bool).scatter_(1, slots, False)  # [k, S]
-        middle = torch.where(dropped, torch.arange(page_size), page_size).sort(dim=1).values[:, (page_size - m - 1) // 2]
-        weights = dropped[:, None, :, None, None].float()  # over [k, L, S, H, D]
-        x = kv.float()
-        k_mean = (x[:, :, 0] * weights).sum(dim=2) / (page_size - m)  # [k, L, H, D]
-        v_sum = (x[:, :, 1] * weights).sum(dim=2)
-        merged = torch.stack([k_mean, v_sum], dim=2)[:, :, :, None].to(kv.dtype)  # [k, L, 2, 1, H, D]
-        return torch.cat([slots, middle[:, None]], dim=1), torch.cat([tokens, merged], dim=3)
+        order = torch.where(dropped, torch.arange(page_size), page_size).sort(dim=1).values[:, :d]  # [k, d]
+        member = F.one_hot(torch.arange(d) * groups // d, groups).float()  # [d, g]: run of each dropped rank
+        counts = member.sum(dim=0)  # [g]
+        middle = (counts.cumsum(0) - counts + (counts - 1).div(2, rounding_mode="floor")).long()  # [g] ranks
+        sums = torch.einsum("klcdhe,dg->klcghe", _gather_tokens(kv, order).float(), member)  # [k, L, 2, g, H, D]
+        merged = torch.stack([sums[:, :, 0] / counts[:, None, None], sums[:, :, 1]], dim=2).to(kv.dtype)
+        return torch.cat([slots, order[:, middle]], dim=1), torch.cat([tokens, merged], dim=3)
 
     def encode(self, layout: PageLayout, pages: PageData) -> EncodedPages:
         k = pages.num_pages

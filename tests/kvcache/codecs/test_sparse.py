@@ -146,3 +146,16 @@ def test_merge_folds_the_dropped_tokens_into_one_stored_token():
     assert not decoded.kv[0, :, :, others].any()
     codec = get_codec("sparse:keep=1,merge=1,recent=0")
     assert ((decoded.kv - pages.kv).abs() <= codec.max_abs_error(LAYOUT, pages)).all()
+
+
+def test_merge_into_runs_of_dropped_slots():
+    """merge=2: the 7 dropped slots [0, 1, 2, 3, 4, 5, 7] form runs [0..3] and [4, 5, 7], each folded into
+    its middle slot (1 and 5)."""
+    pages = _pages(1, seed=2)
+    pages.kv[0, :, 1, 6] *= 100
+    decoded = _round_trip("sparse:keep=1,merge=2,recent=0", pages)
+    for run, slot in [([0, 1, 2, 3], 1), ([4, 5, 7], 5)]:
+        assert torch.allclose(decoded.kv[0, :, 0, slot], pages.kv[0, :, 0, run].mean(dim=1), atol=1e-6)
+        assert torch.allclose(decoded.kv[0, :, 1, slot], pages.kv[0, :, 1, run].sum(dim=1), atol=1e-6)
+    assert not decoded.kv[0, :, :, [0, 2, 3, 4, 7]].any()
+    assert get_codec("sparse:keep=1,merge=2,recent=0").encode(LAYOUT, pages).sizes()[0] < LAYOUT.page_nbytes / 2
