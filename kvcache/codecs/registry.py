@@ -9,7 +9,7 @@ Specs (`name` or `name:key=value,...`; `get_codec(s).spec` is the canonical form
 | `bf16`, `fp16` | a down-cast (fp16 clamps at +-65504) | 2 | no |
 | `int8[:mode=sym]` | 8-bit codes, a float32 scale per page, layer, K/V and head; `mode=affine` adds a minimum | ~1 | no |
 | `mixed[:shallow=bf16,shallow_layers=1,deep=int8]` | layers `[0, shallow_layers)` as `shallow`, others `deep` | between | no |
-| `sparse[:keep=50,merge=0,recent=1,score=vnorm,values=raw]` | per page the `keep`% top-scoring tokens (see below) | ~keep% | no |
+| `sparse[:keep=50,merge=1,recent=1,score=vnorm,values=raw]` | per page the `keep`% top-scoring tokens (see below) | ~keep% | no |
 
 `mixed`'s `shallow` and `deep`, and `sparse`'s `values`, are each `raw` (the layout's dtype), `bf16`,
 `fp16`, `int8` or `int8affine`. `sparse` stores the kept tokens' K/V as `values` and drops the others
@@ -30,7 +30,7 @@ from .fixed_width import FixedWidthCodec
 from .int8 import Int8Values
 from .lossless import ZstdCodec
 from .raw import RawCodec
-from .sparse import SCORES, SparseCodec
+from .sparse import SCORES, SparseCodec, SparseParams
 from .values import CastValues, ValueCodec
 
 DEFAULT_CODEC = "raw"
@@ -113,8 +113,8 @@ def _sparse(params: dict[str, str]) -> KVCodec:
     recent = _int_param(params, "recent", 1, 0, 1 << 16)
     score = _choice(params, "score", "vnorm", SCORES)
     values = _choice(params, "values", "raw", _VALUE_NAMES)
-    merge = _int_param(params, "merge", 0, 0, 1 << 15)
-    return SparseCodec(keep, recent, score, values, _value_codec(values), merge=merge)
+    merge = _int_param(params, "merge", 1, 0, 1 << 15)
+    return SparseCodec(SparseParams(keep, merge, recent, score, values), _value_codec(values))
 
 
 def _int8(params: dict[str, str]) -> KVCodec:

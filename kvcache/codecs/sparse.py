@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -66,25 +67,37 @@ def kept_slots(kv: Tensor, score: str, m: int) -> Tensor:
     return token_scores(kv, score).topk(m, dim=1).indices.sort(dim=1).values
 
 
-class SparseCodec(KVCodec):
-    def __init__(self, keep_percent: int, recent_pages: int, score: str, values_name: str, values: ValueCodec,
-                 merge: int = 0) -> None:
-        if not 1 <= keep_percent <= 100 or recent_pages < 0 or score not in SCORES or merge < 0:
-            raise ValueError(f"SparseCodec: bad keep={keep_percent}, recent={recent_pages} or score={score!r}.")
-        self.keep_percent = keep_percent
-        self.merge = merge
-        self.recent_pages = recent_pages
-        self.score = score
-        self.values_name = values_name
-        self.values = values
+@dataclass(frozen=True)
+class SparseParams:
+    """What a `sparse` spec names (`codecs/registry.py` parses it)."""
+
+    keep_percent: int = 50  # of each page's tokens, rounded up
+    merge: int = 1  # runs the dropped tokens are folded into (0: dropped outright)
+    recent_pages: int = 1  # the last pages of each write, stored whole
+    score: str = "vnorm"
+    values: str = "raw"  # the value codec of the stored tokens
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.keep_percent <= 100 or self.merge < 0 or self.recent_pages < 0 or self.score not in SCORES:
+            raise ValueError(f"Bad sparse codec parameters: {self}.")
 
     @property
     def spec(self) -> str:
         return (f"sparse:keep={self.keep_percent},merge={self.merge},recent={self.recent_pages},"
-                f"score={self.score},values={self.values_name}")
+                f"score={self.score},values={self.values}")
+
+
+class SparseCodec(KVCodec):
+    def __init__(self, params: SparseParams, values: ValueCodec) -> None:
+        self.params = params
+        self.values = values  # the value codec `params.values` names
+
+    @property
+    def spec(self) -> str:
+        return self.params.spec
 
     def kept_per_page(self, layout: PageLayout) -> int:
-        return max(1, math.ceil(layout.page_size * self.keep_percent / 100))
+        return max(1, math.ceil(layout.page_size * self.params.keep_percent / 100))
 
     def _fields(self, layout: PageLayout, m: int) -> tuple[PageLayout, int, int]:
         """(the layout of a page of m tokens, where the values start, the row width) for m kept tokens."""
@@ -96,14 +109,14 @@ class SparseCodec(KVCodec):
 
     def _plan(self, layout: PageLayout, k: int) -> list[tuple[slice, int]]:
         """(pages, tokens kept) of each run of pages encoded alike: the sparse pages, then the recent ones."""
-        dense_from = max(0, k - self.recent_pages)
+        dense_from = max(0, k - self.params.recent_pages)
         m = self.kept_per_page(layout)
         runs = [(slice(0, dense_from), m), (slice(dense_from, k), layout.page_size)]
         return [(pages, kept) for pages, kept in runs if pages.stop > pages.start]
 
     def _stored(self, page_size: int, m: int) -> int:
         """Tokens a page keeping its top m stores: the merged tokens too."""
-        return m + min(self.merge, page_size - m)
+        return m + min(self.params.merge, page_size - m)
 
     def stored_tokens(self, kv: Tensor, m: int) -> tuple[Tensor, Tensor]:
         """What pages kv [k, L, 2, S, H, D] keeping their top m store: slots [k, n] and K/V [k, L, 2, n, H, D].
@@ -112,7 +125,7 @@ class SparseCodec(KVCodec):
         size, each folded into one token at its middle slot: K the run's mean, V its sum, so the
         attention mass they carried stays (silu(q.mean k + b) * sum v to first order) instead of
         vanishing from HSTU's unnormalised sum."""
-        slots = kept_slots(kv, self.score, m)
+        slots = kept_slots(kv, self.params.score, m)
         tokens = _gather_tokens(kv, slots)
         k, page_size = kv.shape[0], kv.shape[3]
         d = page_size - m

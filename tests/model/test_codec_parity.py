@@ -65,10 +65,14 @@ def test_lossy_codec_logits_within_claimed_bound(world, codec):
 
 
 def test_sparse_keeping_every_token_is_exact_and_dropping_tokens_moves_logits(world):
-    """A sparse codec that keeps 100% is raw by another name: bit-identical logits. Keeping fewer tokens
-    moves them, more the fewer it keeps."""
+    """A sparse codec that keeps 100% is raw by another name: bit-identical logits. Dropping tokens moves
+    them, more the fewer it keeps; folding the dropped ones into a merged token (merge=1) moves them less."""
     dataset, model, raw = world
     assert torch.equal(raw, returning_logits(model, dataset, kv_codec="sparse:keep=100,recent=0"))
-    half = (raw - returning_logits(model, dataset, kv_codec="sparse:keep=50,recent=0")).abs().mean()
-    fifth = (raw - returning_logits(model, dataset, kv_codec="sparse:keep=20,recent=0")).abs().mean()
+
+    def error(spec: str) -> float:
+        return float((raw - returning_logits(model, dataset, kv_codec=spec)).abs().mean())
+
+    half, fifth = error("sparse:keep=50,merge=0,recent=0"), error("sparse:keep=20,merge=0,recent=0")
     assert 0 < half < fifth
+    assert 0 < error("sparse:keep=20,merge=1,recent=0") < fifth

@@ -26,7 +26,7 @@ def _round_trip(spec, pages, layout=LAYOUT):
 
 
 def test_specs_are_canonical_and_checked():
-    assert get_codec("sparse").spec == "sparse:keep=50,merge=0,recent=1,score=vnorm,values=raw"
+    assert get_codec("sparse").spec == "sparse:keep=50,merge=1,recent=1,score=vnorm,values=raw"
     assert get_codec("sparse:values=int8,keep=10,merge=1").spec == "sparse:keep=10,merge=1,recent=1,score=vnorm,values=int8"
     for bad, problem in [("sparse:keep=0", "keep must be in"), ("sparse:score=h2o", "score must be one of"),
                          ("sparse:values=zstd", "values must be one of"), ("sparse:recent=-1", "recent must be in")]:
@@ -40,7 +40,7 @@ def test_a_page_keeps_its_highest_scoring_tokens_in_their_slots(score, part):
     heavy = torch.tensor([[1, 6], [0, 7], [3, 4]])  # two heavy tokens per page (keep=25% of 8)
     for page, slots in enumerate(heavy):
         pages.kv[page, :, part, slots] *= 100
-    decoded = _round_trip(f"sparse:keep=25,recent=0,score={score}", pages)
+    decoded = _round_trip(f"sparse:keep=25,merge=0,recent=0,score={score}", pages)
     kept = decoded.kv.flatten(4).abs().sum(dim=(1, 2, 4)) > 0  # [pages, slots]: anything decoded there
     expected = torch.zeros(3, 8, dtype=torch.bool).scatter_(1, heavy, True)
     assert torch.equal(kept, expected)
@@ -51,7 +51,7 @@ def test_a_page_keeps_its_highest_scoring_tokens_in_their_slots(score, part):
 
 def test_stride_keeps_evenly_spaced_slots_and_recent_pages_whole():
     pages = _pages(4)
-    decoded = _round_trip("sparse:keep=50,recent=2,score=stride", pages)
+    decoded = _round_trip("sparse:keep=50,merge=0,recent=2,score=stride", pages)
     assert torch.equal(decoded.kv[2:], pages.kv[2:])  # the write's last two pages: whole
     kept = decoded.kv[:2].flatten(4).abs().sum(dim=(0, 1, 2, 4)) > 0
     assert kept.nonzero().view(-1).tolist() == [0, 2, 5, 7]  # round(linspace(0, 7, 4))
@@ -91,7 +91,7 @@ def test_corrupt_rows_are_refused():
 
 def test_manager_serves_a_sparsified_user_with_its_window_and_appends_after_it():
     config = KVCacheConfig(num_layers=2, num_heads=2, head_dim=4, page_size=8, num_pages=16,
-                           kv_codec="sparse:keep=25,recent=1")
+                           kv_codec="sparse:keep=25,merge=0,recent=1")
     with KVCacheManager(config) as cache:
         length = 36  # 4 full pages and a partial one
         g = torch.Generator().manual_seed(1)
