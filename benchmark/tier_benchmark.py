@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from device_profile import sync
 from kvcache import HostKVStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, paged_kvcache_ops
-from kvcache.codecs import DEFAULT_CODEC
+from kvcache.codecs import DEFAULT_CODEC, get_codec
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from kvcache.storage import DiskHostStorage
 from kvcache.storage.encoded_memory_tier import EncodedMemoryStorage
@@ -60,23 +60,21 @@ class Row:
 TierFactory = Callable[[int], HostKVStorage]  # history length -> an empty tier
 
 
-def memory_tier(capacity: int, codec: str) -> HostKVStorage:
-    """The host-RAM tier `build_host_storage` builds for `codec`: the raw page slab, or encoded rows."""
-    if codec == DEFAULT_CODEC:
-        return InMemoryHostStorage(capacity)
-    return EncodedMemoryStorage(capacity, codec)
-
-
 def tier_factories(names: list[str], workdir: Path, redis_url: str, capacity: int,
-                   codec: str = DEFAULT_CODEC) -> dict[str, TierFactory]:
-    """Each tier storing pages encoded by `codec` (a `kvcache.codecs` spec)."""
-    tag = f"{os.getpid()}-{codec}"  # a directory and a Redis namespace of each codec's own
-    factories: dict[str, TierFactory] = {
-        "memory": lambda history: memory_tier(capacity, codec),
-        "disk": lambda history: DiskHostStorage(workdir / f"disk-{tag}-{history}", capacity, codec=codec),
-        "redis": lambda history: RedisHostStorage(redis_url, f"tier-benchmark-{tag}-{history}", capacity, codec=codec),
-    }
-    return {name: factories[name] for name in names}
+                   codecs: list[str] = (DEFAULT_CODEC,)) -> dict[str, TierFactory]:
+    """One factory per tier and codec, named `tier` (raw) or `tier codec`."""
+
+    def make(name: str, codec: str) -> TierFactory:
+        if name == "memory":
+            if codec == DEFAULT_CODEC:
+                return lambda history: InMemoryHostStorage(capacity)
+            return lambda history: EncodedMemoryStorage(capacity, codec)
+        if name == "disk":
+            return lambda history: DiskHostStorage(workdir / f"disk-{codec}-{history}", capacity, codec=codec)
+        namespace = f"tier-benchmark-{os.getpid()}-{codec}"
+        return lambda history: RedisHostStorage(redis_url, f"{namespace}-{history}", capacity, codec=codec)
+
+    return {name if codec == DEFAULT_CODEC else f"{name} {codec}": make(name, codec) for codec in codecs for name in names}
 
 
 def cache_config(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, device: torch.device | str = "cpu"
@@ -153,6 +151,13 @@ def bench_history(model: HSTURecommender, factories: dict[str, TierFactory], his
     ]
 
 
+def reload_vs_raw(rows: list[Row]) -> dict[str, float]:
+    """`tier codec @ history` -> its reload time over the raw reload of the same tier and history (< 1: faster)."""
+    raw = {(r.tier, r.history): r.reload_ms for r in rows if " " not in r.tier}
+    return {f"{r.tier} @ {r.history}": r.reload_ms / raw[r.tier.split(" ")[0], r.history]
+            for r in rows if " " in r.tier and (r.tier.split(" ")[0], r.history) in raw}
+
+
 def crossover(rows: list[Row], tier: str) -> int | None:
     """The shortest tested history from which reloading beats recomputing at every longer one (None: never)."""
     best = None
@@ -167,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
     p.add_argument("--histories", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
+    p.add_argument("--kv_codecs", nargs="+", default=[DEFAULT_CODEC],
+                   help="codec specs the tiers store pages with (kvcache.codecs), each timed as a tier of its own")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -192,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             if redis_server_binary() is None:
                 p.error("redis-server is not installed: pass --redis_url or leave out the redis tier")
             redis_url = stack.enter_context(LocalRedisServer(workdir / "redis")).url
-        factories = tier_factories(args.tiers, workdir, redis_url, capacity)
+        codecs = [get_codec(c).spec for c in args.kv_codecs]
+        factories = tier_factories(args.tiers, workdir, redis_url, capacity, codecs)
         rows: list[Row] = []
         with tqdm(total=len(args.histories) * (args.repeats + 1), desc="rounds", file=sys.stderr) as progress:
             for history in args.histories:
@@ -200,11 +208,14 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"kuairand-1k geometry ({cfg.num_layers} layers, {cfg.num_heads} heads x {cfg.head_dim}, page "
           f"{cfg.page_size}), {args.dtype}, {torch.get_num_threads()} threads; medians of {args.repeats} rounds")
-    print(f"{'tier':<7} {'history':>7} {'MB':>7} {'reload ms':>10} {'recompute ms':>13} {'recompute/reload':>17}")
+    print(f"{'tier':<28} {'history':>7} {'MB':>7} {'reload ms':>10} {'recompute ms':>13} {'recompute/reload':>17}")
     for r in rows:
-        print(f"{r.tier:<7} {r.history:>7} {r.history * layout.token_nbytes / 2**20:>7.1f} {r.reload_ms:>10.2f} "
+        print(f"{r.tier:<28} {r.history:>7} {r.history * layout.token_nbytes / 2**20:>7.1f} {r.reload_ms:>10.2f} "
               f"{r.recompute_ms:>13.1f} {r.speedup:>16.1f}x")
-    crossovers = {tier: crossover(rows, tier) for tier in args.tiers}
+    vs_raw = reload_vs_raw(rows)
+    for name, ratio in vs_raw.items():
+        print(f"{name}: reload {ratio:.2f}x the raw reload's time")
+    crossovers = {tier: crossover(rows, tier) for tier in factories}
     for tier, length in crossovers.items():
         if length is None:
             print(f"{tier}: recompute is faster at the longest history tested")
@@ -213,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tier}: reload beats recompute from {length} tokens on{shortest}")
     result = {"preset": "kuairand-1k", "dtype": args.dtype, "threads": torch.get_num_threads(),
               "repeats": args.repeats, "tiers": args.tiers, "histories": args.histories,
-              "rows": [asdict(r) for r in rows], "crossover": crossovers}
+              "rows": [asdict(r) for r in rows], "crossover": crossovers,
+              "reload_vs_raw": vs_raw}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2))
     print(f"results: {args.output}")

@@ -74,7 +74,8 @@ def measure_onload(model: HSTURecommender, tiers: list[str], codecs: list[str], 
     longest = max(v.history for v in visits)
     layout = cache_config(model.config, model.dtype, longest).page_layout
     capacity = 2 * layout.num_pages(longest) * layout.page_nbytes  # every tier holds the user whole, raw or encoded
-    factories = {codec: tier_factories(tiers, workdir, redis_url, capacity, codec) for codec in codecs}
+    factories = {codec: dict(zip(tiers, tier_factories(tiers, workdir, redis_url, capacity, [codec]).values()))
+                 for codec in codecs}  # one codec: its tiers in the order named
     rows = []
     shapes = [(v, tier, codec) for v in visits for tier in tiers for codec in codecs]
     for visit, tier, codec in tqdm(shapes, desc="onload: histories x tiers x codecs", leave=False):

@@ -66,7 +66,7 @@ class FixedWidthCodec(KVCodec):
         out = empty_pages(layout, encoded.num_pages)
         out.times.copy_(rows[:, : layout.page_size * TIME_NBYTES].view(torch.int64))
         for first, stop, codec, offset, width in self._spans(layout):
-            out.kv[:, first:stop] = codec.decode(layout, rows[:, offset : offset + width], stop - first)
+            codec.decode_into(layout, rows[:, offset : offset + width], out.kv[:, first:stop])
         return out
 
     def max_abs_error(self, layout: PageLayout, pages: PageData) -> torch.Tensor:

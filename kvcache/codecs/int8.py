@@ -73,6 +73,15 @@ class Int8Values(ValueCodec):
             x += lows[:, :, :, None, :, None]
         return x.to(layout.dtype)
 
+    def decode_into(self, layout: PageLayout, rows: Tensor, out: Tensor) -> None:
+        if layout.dtype != torch.float32:  # the float32 result is rounded once, as `decode` does
+            super().decode_into(layout, rows, out)
+            return
+        scales, lows, codes = self._fields(layout, rows, out.shape[1])
+        torch.mul(codes, scales[:, :, :, None, :, None], out=out)  # float32, as codes.float() * scale
+        if self.affine:
+            out += lows[:, :, :, None, :, None]
+
     def max_abs_error(self, layout: PageLayout, kv: Tensor) -> Tensor:
         x = kv.float()
         scale, lo = self._scale_and_low(x)

@@ -9,8 +9,13 @@ Specs (`name` or `name:key=value,...`; `get_codec(s).spec` is the canonical form
 | `bf16`, `fp16` | a down-cast (fp16 clamps at +-65504) | 2 | no |
 | `int8[:mode=sym]` | 8-bit codes, a float32 scale per page, layer, K/V and head; `mode=affine` adds a minimum | ~1 | no |
 | `mixed[:shallow=bf16,shallow_layers=1,deep=int8]` | layers `[0, shallow_layers)` as `shallow`, others `deep` | between | no |
+| `sparse[:keep=50,merge=1,recent=1,score=vnorm,values=raw]` | per page the `keep`% top-scoring tokens (see below) | ~keep% | no |
 
-`mixed`'s `shallow` and `deep` are each `raw` (the layout's dtype), `bf16`, `fp16`, `int8` or `int8affine`.
+`mixed`'s `shallow` and `deep`, and `sparse`'s `values`, are each `raw` (the layout's dtype), `bf16`,
+`fp16`, `int8` or `int8affine`. `sparse` stores the kept tokens' K/V as `values` and drops the others
+(decoded as zero K/V, a removed key for HSTU's attention); the last `recent` pages of each write are
+kept whole; `score` is `vnorm`, `knorm`, `kvnorm` or `stride`; `merge=g` folds the dropped tokens
+of a page into g stored tokens (`codecs/sparse.py`).
 
 Times are exact under every codec. Lossy codecs bound their error per element (`max_abs_error`).
 """
@@ -25,6 +30,7 @@ from .fixed_width import FixedWidthCodec
 from .int8 import Int8Values
 from .lossless import ZstdCodec
 from .raw import RawCodec
+from .sparse import SCORES, SparseCodec, SparseParams
 from .values import CastValues, ValueCodec
 
 DEFAULT_CODEC = "raw"
@@ -85,18 +91,30 @@ _VALUE_CODECS: dict[str, Callable[[], ValueCodec]] = {
 }
 
 
+_VALUE_NAMES = ("raw", *_VALUE_CODECS)
+
+
+def _value_codec(name: str) -> ValueCodec:
+    """A value codec by name (`raw`: the layout's own dtype, exact)."""
+    return CastValues("raw", None) if name == "raw" else _VALUE_CODECS[name]()
+
+
 def _mixed(params: dict[str, str]) -> KVCodec:
-    names = ("raw", *_VALUE_CODECS)
-    shallow = _choice(params, "shallow", "bf16", names)
-    deep = _choice(params, "deep", "int8", names)
+    shallow = _choice(params, "shallow", "bf16", _VALUE_NAMES)
+    deep = _choice(params, "deep", "int8", _VALUE_NAMES)
     layers = _int_param(params, "shallow_layers", 1, 0, 1 << 16)
     spec = f"mixed:deep={deep},shallow={shallow},shallow_layers={layers}"
-
-    def make(name: str) -> ValueCodec:
-        return CastValues("raw", None) if name == "raw" else _VALUE_CODECS[name]()
-
-    runs = [(0, make(deep))] if layers == 0 else [(0, make(shallow)), (layers, make(deep))]
+    runs = [(0, _value_codec(deep))] if layers == 0 else [(0, _value_codec(shallow)), (layers, _value_codec(deep))]
     return FixedWidthCodec(spec, runs)
+
+
+def _sparse(params: dict[str, str]) -> KVCodec:
+    keep = _int_param(params, "keep", 50, 1, 100)
+    recent = _int_param(params, "recent", 1, 0, 1 << 16)
+    score = _choice(params, "score", "vnorm", SCORES)
+    values = _choice(params, "values", "raw", _VALUE_NAMES)
+    merge = _int_param(params, "merge", 1, 0, 1 << 15)
+    return SparseCodec(SparseParams(keep, merge, recent, score, values), _value_codec(values))
 
 
 def _int8(params: dict[str, str]) -> KVCodec:
@@ -116,3 +134,4 @@ register_codec("bf16", lambda params: FixedWidthCodec("bf16", [(0, _VALUE_CODECS
 register_codec("fp16", lambda params: FixedWidthCodec("fp16", [(0, _VALUE_CODECS["fp16"]())]))
 register_codec("int8", _int8, frozenset({"mode"}))
 register_codec("mixed", _mixed, frozenset({"deep", "shallow", "shallow_layers"}))
+register_codec("sparse", _sparse, frozenset({"keep", "merge", "recent", "score", "values"}))

@@ -41,6 +41,10 @@ class ValueCodec(ABC):
     def decode(self, layout: PageLayout, rows: Tensor, num_layers: int) -> Tensor:
         """rows [k, width] uint8 -> [k, l, 2, S, H, D] in `layout.dtype`."""
 
+    def decode_into(self, layout: PageLayout, rows: Tensor, out: Tensor) -> None:
+        """`decode` written into out ([k, l, 2, S, H, D] in `layout.dtype`, any strides): equal to it."""
+        out.copy_(self.decode(layout, rows, out.shape[1]))
+
     @abstractmethod
     def max_abs_error(self, layout: PageLayout, kv: Tensor) -> Tensor:
         """The bound of |decode(encode(kv)) - kv|, elementwise, float32 like kv."""
@@ -89,6 +93,9 @@ class CastValues(ValueCodec):
 
     def decode(self, layout: PageLayout, rows: Tensor, num_layers: int) -> Tensor:
         return self._values(layout, rows, num_layers).to(layout.dtype)
+
+    def decode_into(self, layout: PageLayout, rows: Tensor, out: Tensor) -> None:
+        out.copy_(self._values(layout, rows, out.shape[1]))  # the cast in the copy: one pass, no temporary
 
     def max_abs_error(self, layout: PageLayout, kv: Tensor) -> Tensor:
         x = kv.float()
