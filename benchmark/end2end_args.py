@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvcache.codecs import DEFAULT_CODEC, codec_names, get_codec
 from kvcache.config import REDIS_SCHEMES
 from model.config import PRESET_NAMES
 from model.train import DEFAULT_SPLIT_DATE, date_to_ms
@@ -109,6 +110,14 @@ def directory_to_use(text: str) -> str:
     return text
 
 
+def kv_codec(text: str) -> str:
+    """A codec spec of kvcache.codecs, made canonical."""
+    try:
+        return get_codec(text).spec
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def redis_url(text: str) -> str:
     if not text.startswith(REDIS_SCHEMES):
         raise argparse.ArgumentTypeError(f"{text!r} must start with one of {', '.join(REDIS_SCHEMES)}")
@@ -151,6 +160,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="redis://host:port/db of the shared tier (with --kv_tier redis, which needs it)")
     p.add_argument("--tier_capacity", type=int_at_least(1), default=None,
                    help=f"bytes the disk or Redis tier may use (default {DEFAULT_TIER_CAPACITY})")
+    p.add_argument("--kv_codec", type=kv_codec, default=DEFAULT_CODEC,
+                   help=f"how host tiers store K/V pages: {', '.join(codec_names())} (kvcache/codecs/registry.py; "
+                        "lossy ones, bf16, fp16, int8, mixed, change logits: give --tolerance) (default %(default)s)")
     p.add_argument("--no_warmup", action="store_true",
                    help="start the cached pass cold instead of serving each user's last earlier visit first")
     p.add_argument("--no_compare", action="store_true", help="skip the full-recompute pass")

@@ -24,13 +24,15 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
 
-from device_profile import OpCounts, gpu_busy_fraction
+from device_profile import OpCounts, gpu_busy_fraction, sync
 from kvcache import KVCacheConfig, KVCacheManager
 from model.config import HSTUConfig, preset
 from model.cuda_graphs import CUDAGraphs
@@ -73,33 +75,49 @@ def model_flops(cfg: HSTUConfig, new: int, cached: int, candidates: int) -> floa
     return sum(layer_flops(cfg, new, cached, candidates, i < cfg.num_layers - 1) for i in range(cfg.num_layers))
 
 
-def timed(fns: list, repeats: int) -> list[float]:
-    """Median seconds of each function over `repeats` rounds after one warm-up round.
-    Rounds interleave the functions, so load from other processes hits them alike."""
-    for fn in fns:
-        fn()
+def timed_rounds(fns: list, repeats: int, warmup: bool = True) -> list[list[float]]:
+    """Seconds of each function in each of `repeats` rounds, after one warm-up round unless the
+    caller warmed them. Rounds interleave the functions, so load from other processes hits them alike."""
+    if warmup:
+        for fn in fns:
+            fn()
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, out in zip(fns, samples):
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
-    return [statistics.median(s) for s in samples]
+    return samples
 
 
-def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, candidates: int,
-                repeats: int, device: torch.device, graphs: CUDAGraphs | None = None) -> Row:
+def timed(fns: list, repeats: int, warmup: bool = True) -> list[float]:
+    """Median seconds of each function over `timed_rounds`."""
+    return [statistics.median(s) for s in timed_rounds(fns, repeats, warmup)]
+
+
+class VisitFns(NamedTuple):
+    """One shape's visits, each a call that serves them and waits for the device."""
+
+    cached: Callable[[], None]  # prepare -> plan and upload -> forward over the new tokens -> rollback
+    full: Callable[[], None]  # every history token and the candidates, nothing cached
+    prefill: Callable[[], None]  # every history token, no candidates, nothing cached
+    kv_nbytes: int  # device bytes of the pages the cached visit's users hold
+
+
+def visit_fns(model: HSTURecommender, history: int, batch: int, new: int, candidates: int,
+              device: torch.device, graphs: CUDAGraphs | None = None) -> VisitFns:
+    """B users of `history` tokens, all but the last `new` of them in the paged KV cache (random K/V:
+    values do not change the cost), each with `candidates` candidates to score."""
     cfg = model.config
     cached = history - new
-    dtype = model.dtype
     full_batch, new_batch = visit_batches(cfg, batch, history, new, candidates)
+    prefill_batch, _ = visit_batches(cfg, batch, history, new, 0)
     pages_per_user = math.ceil(history / cfg.page_size) + 1
     manager = KVCacheManager(KVCacheConfig(
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-        num_pages=batch * pages_per_user, dtype=dtype, device=device, host_capacity_bytes=1 << 20,
+        num_pages=batch * pages_per_user, dtype=model.dtype, device=device, host_capacity_bytes=1 << 20,
     ))
     users = list(range(batch))
-    # Fill the cache with the users' first `cached` tokens (random K/V: values do not change the cost).
     prefill = manager.prepare_kv_cache(users, [0] * batch, [cached] * batch)
     for layer in range(cfg.num_layers):
         manager.k_cache(layer).normal_()
@@ -113,21 +131,32 @@ def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, cand
 
     def run_cached():
         meta = manager.prepare_kv_cache(users, [cached] * batch, [new] * batch)
-        kv = PagedKV(manager, meta)
-        forward(new_batch, kv)
+        forward(new_batch, PagedKV(manager, meta))
         manager.rollback(meta)
-        _sync(device)
+        sync(device)
 
-    def run_full():
-        forward(full_batch)
-        _sync(device)
+    def run_uncached(batch_):
+        forward(batch_)
+        sync(device)
+
+    kv_nbytes = batch * manager.config.page_layout.num_pages(history) * manager.config.page_layout.page_nbytes
+    return VisitFns(run_cached, lambda: run_uncached(full_batch), lambda: run_uncached(prefill_batch), kv_nbytes)
+
+
+def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, candidates: int,
+                repeats: int, device: torch.device, graphs: CUDAGraphs | None = None) -> Row:
+    cfg = model.config
+    cached = history - new
+    dtype = model.dtype
+    visits = visit_fns(model, history, batch, new, candidates, device, graphs)
+    run_cached, run_full = visits.cached, visits.full
 
     a = torch.randn(batch * (new + candidates), cfg.hidden_dim, device=device, dtype=dtype)
     b = torch.randn(cfg.hidden_dim, 4 * cfg.attention_dim, device=device, dtype=dtype)
 
     def run_matmul():
         torch.matmul(a, b)
-        _sync(device)
+        sync(device)
 
     with torch.inference_mode():
         t_cached, t_full, t_matmul = timed([run_cached, run_full, run_matmul], repeats)
@@ -139,11 +168,6 @@ def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, cand
     matmul_gflops = 2 * a.shape[0] * a.shape[1] * b.shape[1] / t_matmul / 1e9
     return Row(history, batch, t_cached * 1e3, t_full * 1e3, t_full / t_cached, f_full / f_cached,
                cached_gflops, matmul_gflops, cached_gflops / matmul_gflops, ops.ops, ops.kernels, ops.syncs, busy)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,7 +105,7 @@ def cache_config(args: argparse.Namespace, model: HSTURecommender, working_set: 
     return KVCacheConfig(
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=page_size,
         num_pages=num_pages, dtype=DTYPES[args.dtype], device=args.device, host_capacity_bytes=host_capacity,
-        async_offload=args.async_offload, **tier_settings(args, fingerprint),
+        async_offload=args.async_offload, kv_codec=args.kv_codec, **tier_settings(args, fingerprint),
     )
 
 
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "tag_mismatches": cached_session.tag_mismatches,
         "serving_cost": {name: None if c is None else asdict(c) for name, c in costs.items()},
         "cache_config": {"num_pages": cache.config.num_pages, "page_size": page_size, "tier": args.kv_tier,
+                         "kv_codec": cache.config.kv_codec,
                          "working_set_pages": pages_needed, "host_capacity_bytes": cache.config.host_capacity_bytes},
     }
     ok = True

@@ -33,13 +33,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from device_profile import sync
 from kvcache import HostKVStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, paged_kvcache_ops
+from kvcache.codecs import DEFAULT_CODEC, get_codec
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from kvcache.storage import DiskHostStorage
+from kvcache.storage.encoded_memory_tier import EncodedMemoryStorage
 from kvcache.storage.redis_tier import RedisHostStorage
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
-from workloads import visit_batches
+from workloads import long_history_config, visit_batches
 
 TIERS = ("memory", "disk", "redis")
 USER = 0
@@ -57,29 +60,39 @@ class Row:
 TierFactory = Callable[[int], HostKVStorage]  # history length -> an empty tier
 
 
-def tier_factories(names: list[str], workdir: Path, redis_url: str, capacity: int) -> dict[str, TierFactory]:
-    factories: dict[str, TierFactory] = {
-        "memory": lambda history: InMemoryHostStorage(capacity),
-        "disk": lambda history: DiskHostStorage(workdir / f"disk-{history}", capacity),
-        "redis": lambda history: RedisHostStorage(redis_url, f"tier-benchmark-{os.getpid()}-{history}", capacity),
-    }
-    return {name: factories[name] for name in names}
+def tier_factories(names: list[str], workdir: Path, redis_url: str, capacity: int,
+                   codecs: list[str] = (DEFAULT_CODEC,)) -> dict[str, TierFactory]:
+    """One factory per tier and codec, named `tier` (raw) or `tier codec`."""
+
+    def make(name: str, codec: str) -> TierFactory:
+        if name == "memory":
+            if codec == DEFAULT_CODEC:
+                return lambda history: InMemoryHostStorage(capacity)
+            return lambda history: EncodedMemoryStorage(capacity, codec)
+        if name == "disk":
+            return lambda history: DiskHostStorage(workdir / f"disk-{codec}-{history}", capacity, codec=codec)
+        namespace = f"tier-benchmark-{os.getpid()}-{codec}"
+        return lambda history: RedisHostStorage(redis_url, f"{namespace}-{history}", capacity, codec=codec)
+
+    return {name if codec == DEFAULT_CODEC else f"{name} {codec}": make(name, codec) for codec in codecs for name in names}
 
 
-def cache_config(model_cfg: HSTUConfig, dtype: torch.dtype, history: int) -> KVCacheConfig:
+def cache_config(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, device: torch.device | str = "cpu"
+                 ) -> KVCacheConfig:
     """A device pool just large enough for one user of `history` + 1 tokens."""
     return KVCacheConfig(
         num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
-        page_size=model_cfg.page_size, num_pages=-(-(history + 1) // model_cfg.page_size), dtype=dtype,
+        page_size=model_cfg.page_size, num_pages=-(-(history + 1) // model_cfg.page_size), dtype=dtype, device=device,
     )
 
 
-def loaded_cache(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, storage: HostKVStorage) -> KVCacheManager:
+def loaded_cache(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, storage: HostKVStorage,
+                 device: torch.device | str = "cpu") -> KVCacheManager:
     """A manager whose host tier holds `history` tokens of USER (random K/V) and whose device does not."""
-    cache = KVCacheManager(cache_config(model_cfg, dtype, history), host_storage=storage)
+    cache = KVCacheManager(cache_config(model_cfg, dtype, history, device), host_storage=storage)
     meta = cache.prepare_kv_cache([USER], [0], [history])
     for layer in range(model_cfg.num_layers):
-        k, v = torch.randn(2, history, model_cfg.num_heads, model_cfg.head_dim, dtype=dtype)
+        k, v = torch.randn(2, history, model_cfg.num_heads, model_cfg.head_dim, dtype=dtype, device=device)
         paged_kvcache_ops.append_kvcache(cache.k_cache(layer), cache.v_cache(layer), k, v, meta.new_token_slots)
     cache.commit(meta)
     cache.offload_kv_cache([USER])
@@ -90,9 +103,11 @@ def loaded_cache(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, storag
 def time_reload(cache: KVCacheManager, history: int) -> float:
     """Seconds of the prepare (onload of `history` tokens + 1 new) and rollback of a returning user."""
     cache.evict_kv_cache([USER])
+    sync(cache.config.device)
     start = time.perf_counter()
     meta = cache.prepare_kv_cache([USER], [history], [1])
     cache.rollback(meta)
+    sync(cache.config.device)
     elapsed = time.perf_counter() - start
     if meta.cached_lengths.tolist() != [history]:
         raise RuntimeError(f"the tier did not return the user's {history} tokens: {meta.cached_lengths.tolist()}")
@@ -136,6 +151,13 @@ def bench_history(model: HSTURecommender, factories: dict[str, TierFactory], his
     ]
 
 
+def reload_vs_raw(rows: list[Row]) -> dict[str, float]:
+    """`tier codec @ history` -> its reload time over the raw reload of the same tier and history (< 1: faster)."""
+    raw = {(r.tier, r.history): r.reload_ms for r in rows if " " not in r.tier}
+    return {f"{r.tier} @ {r.history}": r.reload_ms / raw[r.tier.split(" ")[0], r.history]
+            for r in rows if " " in r.tier and (r.tier.split(" ")[0], r.history) in raw}
+
+
 def crossover(rows: list[Row], tier: str) -> int | None:
     """The shortest tested history from which reloading beats recomputing at every longer one (None: never)."""
     best = None
@@ -150,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
     p.add_argument("--histories", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
+    p.add_argument("--kv_codecs", nargs="+", default=[DEFAULT_CODEC],
+                   help="codec specs the tiers store pages with (kvcache.codecs), each timed as a tier of its own")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -161,10 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = preset("kuairand-1k", video_hash_size=1024)  # embeddings are not timed
     longest = max(args.histories)
-    if longest > cfg.max_seq_len:  # N only scales attention: the timing does not depend on it
-        cfg = cfg.replace(max_seq_len=longest, position_table_size=max(longest, cfg.position_table_size))
+    cfg = long_history_config(preset("kuairand-1k", video_hash_size=1024), longest)  # embeddings are not timed
     torch.manual_seed(0)
     model = HSTURecommender(cfg).to(dtype).eval()
     layout = cache_config(cfg, dtype, longest).page_layout
@@ -177,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             if redis_server_binary() is None:
                 p.error("redis-server is not installed: pass --redis_url or leave out the redis tier")
             redis_url = stack.enter_context(LocalRedisServer(workdir / "redis")).url
-        factories = tier_factories(args.tiers, workdir, redis_url, capacity)
+        codecs = [get_codec(c).spec for c in args.kv_codecs]
+        factories = tier_factories(args.tiers, workdir, redis_url, capacity, codecs)
         rows: list[Row] = []
         with tqdm(total=len(args.histories) * (args.repeats + 1), desc="rounds", file=sys.stderr) as progress:
             for history in args.histories:
@@ -185,11 +208,14 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"kuairand-1k geometry ({cfg.num_layers} layers, {cfg.num_heads} heads x {cfg.head_dim}, page "
           f"{cfg.page_size}), {args.dtype}, {torch.get_num_threads()} threads; medians of {args.repeats} rounds")
-    print(f"{'tier':<7} {'history':>7} {'MB':>7} {'reload ms':>10} {'recompute ms':>13} {'recompute/reload':>17}")
+    print(f"{'tier':<28} {'history':>7} {'MB':>7} {'reload ms':>10} {'recompute ms':>13} {'recompute/reload':>17}")
     for r in rows:
-        print(f"{r.tier:<7} {r.history:>7} {r.history * layout.token_nbytes / 2**20:>7.1f} {r.reload_ms:>10.2f} "
+        print(f"{r.tier:<28} {r.history:>7} {r.history * layout.token_nbytes / 2**20:>7.1f} {r.reload_ms:>10.2f} "
               f"{r.recompute_ms:>13.1f} {r.speedup:>16.1f}x")
-    crossovers = {tier: crossover(rows, tier) for tier in args.tiers}
+    vs_raw = reload_vs_raw(rows)
+    for name, ratio in vs_raw.items():
+        print(f"{name}: reload {ratio:.2f}x the raw reload's time")
+    crossovers = {tier: crossover(rows, tier) for tier in factories}
     for tier, length in crossovers.items():
         if length is None:
             print(f"{tier}: recompute is faster at the longest history tested")
@@ -198,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tier}: reload beats recompute from {length} tokens on{shortest}")
     result = {"preset": "kuairand-1k", "dtype": args.dtype, "threads": torch.get_num_threads(),
               "repeats": args.repeats, "tiers": args.tiers, "histories": args.histories,
-              "rows": [asdict(r) for r in rows], "crossover": crossovers}
+              "rows": [asdict(r) for r in rows], "crossover": crossovers,
+              "reload_vs_raw": vs_raw}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2))
     print(f"results: {args.output}")

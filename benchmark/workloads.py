@@ -45,3 +45,12 @@ def visit_batches(config: HSTUConfig, batch: int, history: int, new: int, candid
         )
 
     return carrying(0), carrying(history - new)
+
+
+def long_history_config(config: HSTUConfig, longest: int) -> HSTUConfig:
+    """`config` with windows of at least `longest` history tokens. N (max_seq_len) only scales
+    attention and the position table only clamps, so a timing at the preset's shapes does not
+    depend on raising them."""
+    if longest <= config.max_seq_len:
+        return config
+    return config.replace(max_seq_len=longest, position_table_size=max(longest, config.position_table_size))

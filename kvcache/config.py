@@ -73,7 +73,8 @@ class KVCacheConfig:
     a Redis server shared by nodes, under `redis_namespace` (pass the model fingerprint, so that
     another model never reads these K/V), bounded by `redis_capacity_bytes`, entries expiring
     `redis_ttl_seconds` after their last use. A tier call taking longer than `tier_timeout_s`
-    (None: no bound) is abandoned and served as a miss.
+    (None: no bound) is abandoned and served as a miss. `kv_codec` (a spec of `kvcache.codecs`)
+    encodes the pages every host tier stores; the default, `raw`, stores them exact and as they are.
     """
 
     num_layers: int
@@ -93,6 +94,7 @@ class KVCacheConfig:
     redis_capacity_bytes: int = 8 << 30
     redis_ttl_seconds: int | None = None
     tier_timeout_s: float | None = 0.5
+    kv_codec: str = "raw"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim", "page_size", "num_pages"):
@@ -117,6 +119,16 @@ class KVCacheConfig:
         if not isinstance(self.async_offload, bool):
             raise ValueError(f"KVCacheConfig.async_offload must be a bool, got {self.async_offload!r}.")
         self._check_tiers()
+        self._check_codec()
+
+    def _check_codec(self) -> None:
+        from .codecs import get_codec  # the codecs import this module's PageLayout
+
+        try:
+            canonical = get_codec(self.kv_codec).spec
+        except ValueError as exc:
+            raise ValueError(f"KVCacheConfig.kv_codec: {exc}") from exc
+        object.__setattr__(self, "kv_codec", canonical)
 
     def _check_tiers(self) -> None:
         if self.persistent_dir is not None:

@@ -76,7 +76,12 @@ def blob_pages(layout: PageLayout, n: int) -> PageData:
     """`n` uninitialised pages, each one contiguous blob of `layout.page_nbytes` bytes (page-major);
     made outside inference mode, as `empty_kv`."""
     with torch.inference_mode(False):
-        blob = torch.empty((n, layout.page_nbytes), dtype=torch.uint8)
-        kv = blob[:, : layout.kv_nbytes].view(layout.dtype).view(n, *layout.page_shape)
-        times = blob[:, layout.times_offset :].view(torch.int64)
+        return blob_view(layout, torch.empty((n, layout.page_nbytes), dtype=torch.uint8))
+
+
+def blob_view(layout: PageLayout, blob: Tensor) -> PageData:
+    """Pages viewing `blob` ([n, page_nbytes] uint8, rows dense): K/V then times, as `blob_pages` lays them out."""
+    n = blob.shape[0]
+    kv = blob[:, : layout.kv_nbytes].view(layout.dtype).view(n, *layout.page_shape)
+    times = blob[:, layout.times_offset :].view(torch.int64)
     return PageData(kv, times, blob)

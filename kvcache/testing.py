@@ -94,3 +94,27 @@ def expected_kv(layout: PageLayout, user_id: int, start: int, length: int, layer
     """What `read_kv(user_id, layer)` must return for tokens [start, start + length) made by `token_kv`."""
     kv = token_kv(layout, user_id, torch.arange(start, start + length), salt)
     return kv[0, layer], kv[1, layer]
+
+
+def copy_users(src: KVCacheManager, dst: KVCacheManager, user_ids: Sequence[int]) -> int:
+    """Give `dst` the committed tokens (range, tag, K/V and times) `src` holds of each user, then offload
+    and evict them from `dst`'s device, so that each is served from `dst`'s host tiers (its codec); one
+    user at a time (dst's pool needs room for the largest). Returns the tokens copied."""
+    copied = 0
+    for u in user_ids:
+        start, length = (int(x[0]) for x in src.get_user_kvdata_info([u]))
+        if not length:
+            continue
+        meta = dst.prepare_kv_cache([u], [start], [length], tags=src.get_user_tags([u]))
+        slots = meta.new_token_slots.to(dst.config.device)
+        paged_kvcache_ops.append_times(dst.times_cache(), src.read_times(u).to(dst.config.device), slots)
+        for layer in range(dst.config.num_layers):
+            k, v = src.read_kv(u, layer)
+            paged_kvcache_ops.append_kvcache(dst.k_cache(layer), dst.v_cache(layer), k.to(dst.config.device),
+                                             v.to(dst.config.device), slots)
+        dst.commit(meta)
+        dst.offload_kv_cache([u])
+        dst.evict_kv_cache([u])
+        copied += length
+    dst.wait()
+    return copied

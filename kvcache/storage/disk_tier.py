@@ -4,12 +4,14 @@ Directory (one `DiskHostStorage` per directory at a time, held by an `flock` on 
 
     layout.json                       the PageLayout of the pages; `bind` refuses another one
     users/{uid % 256:02x}/{uid}.idx   the user's entry: its commit point
-    users/{..}/{uid}_{page}_{seq}.kv  one page as written by write number `seq`: its blob of
-                                      page_nbytes bytes (kvcache/page_data.py: K/V, then times)
+    users/{..}/{uid}_{page}_{seq}.kv  one page as written by write number `seq`: its encoding by the
+                                      entry's codec (`kvcache.codecs`; raw: the page blob,
+                                      kvcache/page_data.py: K/V, then times)
 
-An index file (little-endian) is `HSTUKVI1`, start_pos i64, length i64, pages u32, tag bytes u32,
-the tag, per page the write number naming its file (u64) and the page's crc32 (u32), and last the
-crc32 of everything before.
+An index file (little-endian) is `HSTUKVI2`, start_pos i64, length i64, pages u32, tag bytes u32,
+codec spec bytes u32, the tag, the spec, per page the write number naming its file (u64), the
+page's crc32 (u32) and its size (u32), and last the crc32 of everything before. The entry is
+read with the codec its spec names; a write encodes with the tier's codec (`codec`).
 
 A write puts its pages under fresh names (write numbers only grow, so a committed index never
 refers to a file being written), then the index to a temporary file that replaces the old one
@@ -39,18 +41,20 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
+from ..codecs import EncodedPages
 from ..config import PageLayout
-from ..page_data import blob_pages
 from .base import HostEntry, HostPages, HostWriteResult, PageFill
 from .lru import BytesBoundedTier, BytesLRU
-from .page_codec import StagingPages, byte_rows, page_crcs
+from .page_codec import StagingPages, page_crcs
+from .tier_codec import TierCodec, whole_fill
 
 FORMAT = "hstu-kvcache-disk"
-FORMAT_VERSION = 2  # 2: pages carry their tokens' times
-_MAGIC = b"HSTUKVI1"
-_HEADER = struct.Struct("<8sqqII")  # magic, start_pos, length, pages, tag bytes
-_PAGE_RECORD = 12  # u64 write number + u32 crc32
+FORMAT_VERSION = 3  # 2: pages carry their tokens' times; 3: pages encoded by a codec named per entry
+_MAGIC = b"HSTUKVI2"
+_HEADER = struct.Struct("<8sqqIII")  # magic, start_pos, length, pages, tag bytes, spec bytes
+_PAGE_RECORD = 16  # u64 write number + u32 crc32 + u32 size
 _SHARDS = 256
 
 
@@ -64,19 +68,30 @@ class RecoveryReport(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("crcs", "length", "nbytes", "seqs", "start_pos", "tag")
+    __slots__ = ("crcs", "length", "nbytes", "seqs", "sizes", "spec", "start_pos", "tag")
 
-    def __init__(self, start_pos: int, length: int, tag: bytes, seqs: np.ndarray, crcs: np.ndarray, nbytes: int):
+    def __init__(self, start_pos: int, length: int, tag: bytes, spec: str, pages: _PageRecords, nbytes: int):
         self.start_pos = start_pos
         self.length = length
         self.tag = tag
-        self.seqs = seqs  # [pages] uint64: the write that wrote each page (names its file)
-        self.crcs = crcs  # [pages] uint32
+        self.spec = spec  # the codec that encoded the pages
+        self.seqs = pages.seqs  # [pages] uint64: the write that wrote each page (names its file)
+        self.crcs = pages.crcs  # [pages] uint32
+        self.sizes = pages.sizes  # [pages] uint32: bytes of each page file
         self.nbytes = nbytes  # page files + index file
 
     @property
     def info(self) -> HostEntry:
         return HostEntry(self.start_pos, self.length, self.tag)
+
+    def records(self, stop: int) -> _PageRecords:
+        return _PageRecords(self.seqs[:stop], self.crcs[:stop], self.sizes[:stop])
+
+
+class _PageRecords(NamedTuple):
+    seqs: np.ndarray  # uint64
+    crcs: np.ndarray  # uint32
+    sizes: np.ndarray  # uint32
 
 
 class DiskHostStorage(BytesBoundedTier):
@@ -87,8 +102,9 @@ class DiskHostStorage(BytesBoundedTier):
     but not for a machine that loses power.
     """
 
-    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = True) -> None:
+    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = True, codec: str = "raw") -> None:
         super().__init__(capacity_bytes)
+        self.codec = TierCodec(codec)
         self.directory = Path(directory)
         self._fsync = bool(fsync)
         self._next_seq = 1
@@ -128,9 +144,11 @@ class DiskHostStorage(BytesBoundedTier):
         e = self._users.get(user_id)
         if e is None:
             return None
-        layout = self.layout
-        out = blob_pages(layout, len(e.seqs))
-        rows = byte_rows(out)
+        offsets = np.zeros(len(e.sizes) + 1, dtype=np.int64)
+        np.cumsum(e.sizes, out=offsets[1:])
+        data = torch.empty(int(offsets[-1]), dtype=torch.uint8)
+        encoded = EncodedPages(e.spec, data, offsets)
+        rows = encoded.rows()
         shard = self._shard(user_id)
         for i, seq in enumerate(e.seqs.tolist()):
             try:
@@ -149,7 +167,7 @@ class DiskHostStorage(BytesBoundedTier):
             self.corrupt_reads += 1
             self.drop(user_id)
             return None
-        return HostPages(e.start_pos, e.length, out, e.tag)
+        return HostPages(e.start_pos, e.length, self.codec.decode(self.layout, encoded), e.tag)
 
     def write(
         self, user_id: int, start_pos: int, length: int, first_page: int, fill: PageFill,
@@ -158,22 +176,30 @@ class DiskHostStorage(BytesBoundedTier):
         layout = self.layout
         old, num_pages = self._checked_write(user_id, start_pos, length, first_page)
         tag = bytes(tag)
-        index_nbytes = _HEADER.size + len(tag) + _PAGE_RECORD * num_pages + 4
-        new_bytes = num_pages * layout.page_nbytes + index_nbytes
-        if new_bytes > self._capacity - self._users.protected_bytes(protect, user_id):
-            return HostWriteResult(False, ())
-        old_bytes = 0 if old is None else old.nbytes
-        evicted = self._evict_to(self._capacity - new_bytes + old_bytes, keep={user_id, *protect})
-
+        if old is not None and first_page and old.spec != self.codec.spec:  # one entry, one encoding
+            kept = self.read(user_id)
+            if kept is None:  # its pages were bad: dropped, so this write has nothing to continue
+                return HostWriteResult(False, ())
+            fill, first_page = whole_fill(kept.pages, first_page, fill), 0
         dst = self._staging.take(layout, num_pages - first_page)
         try:
             fill(dst)
         except BaseException:
             self.drop(user_id)
             raise
+        rows = self.codec.encode(layout, dst).rows()
+        sizes = np.fromiter((len(r) for r in rows), dtype=np.uint32, count=len(rows))
+        spec = self.codec.spec.encode()
+        index_nbytes = _HEADER.size + len(tag) + len(spec) + _PAGE_RECORD * num_pages + 4
+        kept_sizes = old.sizes[:first_page] if first_page else sizes[:0]
+        new_bytes = int(kept_sizes.sum()) + int(sizes.sum()) + index_nbytes
+        if new_bytes > self._capacity - self._users.protected_bytes(protect, user_id):
+            return HostWriteResult(False, ())
+        old_bytes = 0 if old is None else old.nbytes
+        evicted = self._evict_to(self._capacity - new_bytes + old_bytes, keep={user_id, *protect})
+
         seq = self._next_seq
         self._next_seq += 1
-        rows = byte_rows(dst)
         crcs = page_crcs(rows)
         shard = self._shard(user_id)
         written = []
@@ -184,11 +210,10 @@ class DiskHostStorage(BytesBoundedTier):
                 _write_file(path, row, self._fsync)
             if self._fsync:
                 _fsync_dir(shard)  # the page files' names are durable before the index refers to them
-            seqs = np.full(num_pages, seq, dtype=np.uint64)
+            records = _PageRecords(np.full(num_pages - first_page, seq, dtype=np.uint64), crcs, sizes)
             if first_page:
-                seqs[:first_page] = old.seqs[:first_page]
-                crcs = np.concatenate([old.crcs[:first_page], crcs])
-            index = _encode_index(start_pos, length, tag, seqs, crcs)
+                records = _PageRecords(*(np.concatenate(pair) for pair in zip(old.records(first_page), records)))
+            index = _encode_index(start_pos, length, tag, spec, records)
             _atomic_write(shard / f"{user_id}.idx", index, self._fsync)  # the commit
         except BaseException:
             for path in written:
@@ -197,7 +222,7 @@ class DiskHostStorage(BytesBoundedTier):
         if old is not None:
             for i in range(first_page, len(old.seqs)):
                 _unlink(shard / _page_name(user_id, i, int(old.seqs[i])))
-        self._users.put(user_id, _Entry(start_pos, length, tag, seqs, crcs, new_bytes), new_bytes)
+        self._users.put(user_id, _Entry(start_pos, length, tag, self.codec.spec, records, new_bytes), new_bytes)
         return HostWriteResult(True, evicted)
 
     def drop(self, user_id: int) -> bool:
@@ -262,7 +287,8 @@ class DiskHostStorage(BytesBoundedTier):
                 user = _parse_int(de.name[: -len(".idx")])
                 entry = None if user is None or user % _SHARDS != s else _read_index(Path(de.path), layout)
                 names = [] if entry is None else [_page_name(user, i, q) for i, q in enumerate(entry.seqs.tolist())]
-                if entry is None or not all(n in pages and pages[n].stat().st_size == layout.page_nbytes for n in names):
+                if entry is None or not all(n in pages and pages[n].stat().st_size == size
+                                            for n, size in zip(names, entry.sizes.tolist())):
                     _unlink(Path(de.path))
                     dropped += 1
                     continue
@@ -316,10 +342,10 @@ def _page_name(user_id: int, page: int, seq: int) -> str:
     return f"{user_id}_{page}_{seq}.kv"
 
 
-def _encode_index(start_pos: int, length: int, tag: bytes, seqs: np.ndarray, crcs: np.ndarray) -> bytes:
+def _encode_index(start_pos: int, length: int, tag: bytes, spec: bytes, pages: _PageRecords) -> bytes:
     body = b"".join((
-        _HEADER.pack(_MAGIC, start_pos, length, len(seqs), len(tag)), tag,
-        seqs.astype("<u8").tobytes(), crcs.astype("<u4").tobytes(),
+        _HEADER.pack(_MAGIC, start_pos, length, len(pages.seqs), len(tag), len(spec)), tag, spec,
+        pages.seqs.astype("<u8").tobytes(), pages.crcs.astype("<u4").tobytes(), pages.sizes.astype("<u4").tobytes(),
     ))
     return body + struct.pack("<I", zlib.crc32(body))
 
@@ -332,15 +358,20 @@ def _read_index(path: Path, layout: PageLayout) -> _Entry | None:
         return None
     if len(data) < _HEADER.size + 4 or zlib.crc32(data[:-4]) != struct.unpack("<I", data[-4:])[0]:
         return None
-    magic, start_pos, length, n, tag_len = _HEADER.unpack_from(data)
+    magic, start_pos, length, n, tag_len, spec_len = _HEADER.unpack_from(data)
     if (magic != _MAGIC or start_pos < 0 or length <= 0 or n != layout.num_pages(length)
-            or len(data) != _HEADER.size + tag_len + _PAGE_RECORD * n + 4):
+            or len(data) != _HEADER.size + tag_len + spec_len + _PAGE_RECORD * n + 4):
         return None
-    off = _HEADER.size + tag_len
-    tag = data[_HEADER.size:off]
+    off = _HEADER.size + tag_len + spec_len
+    tag = data[_HEADER.size : _HEADER.size + tag_len]
+    try:
+        spec = data[_HEADER.size + tag_len : off].decode()
+    except UnicodeDecodeError:
+        return None
     seqs = np.frombuffer(data, dtype="<u8", count=n, offset=off).astype(np.uint64)
     crcs = np.frombuffer(data, dtype="<u4", count=n, offset=off + 8 * n).astype(np.uint32)
-    return _Entry(start_pos, length, tag, seqs, crcs, n * layout.page_nbytes + len(data))
+    sizes = np.frombuffer(data, dtype="<u4", count=n, offset=off + 12 * n).astype(np.uint32)
+    return _Entry(start_pos, length, tag, spec, _PageRecords(seqs, crcs, sizes), int(sizes.sum()) + len(data))
 
 
 def _read_exact(f, buf: np.ndarray) -> bool:

@@ -8,9 +8,11 @@ Keys (`P` = `hstu:{namespace}:{layout hash}`: a changed model or page geometry n
 another one's K/V, it sees other keys):
 
 * `P:u:{user}:meta`  hash: start_pos, length, pages, tag, crc (little-endian crc32 per page),
-  pv (comma-separated version of each page), version (of the last write);
-* `P:u:{user}:p:{version}:{i}`  page `i` as written by write `version`: its blob
-  (kvcache/page_data.py: K/V `[L, 2, S, H, D]`, then the tokens' times). Page keys are never
+  pv (comma-separated version of each page), sz (comma-separated bytes of each page), codec
+  (the spec of the codec that encoded the pages), version (of the last write);
+* `P:u:{user}:p:{version}:{i}`  page `i` as written by write `version`: its encoding by the
+  entry's codec (raw: the blob, kvcache/page_data.py: K/V `[L, 2, S, H, D]`, then the tokens'
+  times). A write encodes with the tier's codec; a read decodes with the entry's. Page keys are never
   overwritten (versions come from `INCR P:seq`), so pages referenced by a meta are exactly the
   bytes that meta's checksums describe;
 * `P:lru` (zset user -> access stamp), `P:sizes` (hash user -> page bytes), `P:bytes` (their
@@ -37,9 +39,11 @@ from typing import NamedTuple, NoReturn
 
 import numpy as np
 import redis
+import torch
 
+from ..codecs import EncodedPages
 from ..config import PageLayout
-from ..page_data import blob_pages
+from ..page_data import PageData
 from .base import (
     HostEntry,
     HostKVStorage,
@@ -50,7 +54,8 @@ from .base import (
     check_write_range,
     continues,
 )
-from .page_codec import StagingPages, byte_rows, page_crcs
+from .page_codec import StagingPages, page_crcs
+from .tier_codec import TierCodec, whole_fill
 
 PENDING_PAGE_MS = 300_000  # uploaded pages not yet committed expire after this (a crashed writer's)
 _READ_ATTEMPTS = 3  # a read that races a concurrent write re-reads the new meta this often
@@ -90,18 +95,19 @@ end
 """
 
 # KEYS[1] meta. ARGV: prefix, user, base version ('' = none), first page, pages, version, start,
-# length, tag, crc of the new pages, page bytes, capacity, ttl (0 = none), protected users...
+# length, tag, crc of the new pages, their sizes (comma-separated), capacity, ttl (0 = none), codec,
+# protected users...
 _COMMIT = _LUA_COMMON + """
 local prefix, user, base = ARGV[1], ARGV[2], ARGV[3]
 local first, n, version = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
-local page_bytes, capacity, ttl = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
+local capacity, ttl, codec = tonumber(ARGV[12]), tonumber(ARGV[13]), ARGV[14]
 local meta = KEYS[1]
 local new_keys = {}
 for i = first, n - 1 do new_keys[#new_keys + 1] = page_key(prefix, user, version, i) end
 local function abort(why) del_keys(new_keys); return {why} end
 
 if redis.call('EXISTS', meta) == 1 and not is_meta(meta) then forget(prefix, user) end
-local cur = redis.call('HMGET', meta, 'version', 'pv', 'crc')
+local cur = redis.call('HMGET', meta, 'version', 'pv', 'crc', 'sz')
 if first > 0 and cur[1] ~= base then return abort('conflict') end
 local present = 0
 for i = 1, #new_keys, 512 do
@@ -111,7 +117,7 @@ if present ~= #new_keys then return abort('lost') end
 
 local sizes = prefix .. ':sizes'
 local keep, pinned = {[user] = true}, 0
-for i = 14, #ARGV do
+for i = 15, #ARGV do
   if not keep[ARGV[i]] then
     keep[ARGV[i]] = true
     if redis.call('EXISTS', prefix .. ':u:' .. ARGV[i] .. ':meta') == 1 then
@@ -119,7 +125,12 @@ for i = 14, #ARGV do
     end
   end
 end
-local need = n * page_bytes
+-- The entry's bytes: its kept pages' and the new ones'.
+local sz, need = split(cur[4]), 0
+for i = 1, first do need = need + (tonumber(sz[i]) or 0) end
+local new_sz = split(ARGV[11])
+for i = 1, #new_sz do need = need + tonumber(new_sz[i]); sz[first + i] = new_sz[i] end
+for i = #sz, n + 1, -1 do sz[i] = nil end
 if need + pinned > capacity then return abort('full') end
 
 -- Evict least recently used users (never `keep`) until the namespace fits.
@@ -152,7 +163,7 @@ del_keys(dead)
 for i = first + 1, n do pv[i] = version end
 local crc = string.sub(cur[3] or '', 1, 4 * first) .. ARGV[10]
 redis.call('HSET', meta, 'start', ARGV[7], 'length', ARGV[8], 'pages', n, 'tag', ARGV[9], 'crc', crc,
-  'pv', table.concat(pv, ','), 'version', version)
+  'pv', table.concat(pv, ','), 'sz', table.concat(sz, ','), 'codec', codec, 'version', version)
 redis.call('HSET', sizes, user, need)
 redis.call('SET', prefix .. ':bytes', total)
 redis.call('ZADD', prefix .. ':lru', redis.call('INCR', prefix .. ':seq'), user)
@@ -202,6 +213,8 @@ class _Meta(NamedTuple):
     crc: np.ndarray  # [pages] uint32
     versions: list[bytes]  # [pages]: the write that holds each page (names its key)
     version: bytes  # the entry's last write
+    sizes: np.ndarray  # [pages] int64: bytes of each page
+    codec: str  # the spec of the codec that encoded the pages
 
     @classmethod
     def parse(cls, raw: dict[bytes, bytes], layout: PageLayout) -> _Meta:
@@ -209,11 +222,13 @@ class _Meta(NamedTuple):
         try:
             start, length, pages = int(raw[b"start"]), int(raw[b"length"]), int(raw[b"pages"])
             crc = np.frombuffer(raw[b"crc"], dtype="<u4")
-            meta = cls(start, length, raw[b"tag"], crc, raw[b"pv"].split(b","), raw[b"version"])
+            sizes = np.array([int(x) for x in raw[b"sz"].split(b",")], dtype=np.int64)
+            meta = cls(start, length, raw[b"tag"], crc, raw[b"pv"].split(b","), raw[b"version"], sizes,
+                       raw[b"codec"].decode())
         except (KeyError, ValueError) as exc:
             raise TierDataError(f"malformed meta (fields {sorted(raw)}): {exc!r}") from exc
         if (start < 0 or length <= 0 or pages != layout.num_pages(length) or len(crc) != pages
-                or len(meta.versions) != pages):
+                or len(meta.versions) != pages or len(sizes) != pages or (sizes < 0).any()):
             raise TierDataError(f"inconsistent meta: start {start}, length {length}, {pages} pages, "
                                 f"{len(crc)} checksums, {len(meta.versions)} page versions")
         return meta
@@ -240,7 +255,7 @@ class RedisHostStorage(HostKVStorage):
     shared = True
 
     def __init__(self, url: str, namespace: str, capacity_bytes: int, ttl_seconds: int | None = None,
-                 timeout_s: float | None = 0.5) -> None:
+                 timeout_s: float | None = 0.5, codec: str = "raw") -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}.")
         if ttl_seconds is not None and ttl_seconds <= 0:
@@ -248,6 +263,7 @@ class RedisHostStorage(HostKVStorage):
         if not namespace:
             raise ValueError("namespace must be a non-empty string (e.g. the model fingerprint).")
         self.namespace = namespace
+        self.codec = TierCodec(codec)
         self.prefix = ""  # set by bind
         self._capacity = int(capacity_bytes)
         self._ttl = int(ttl_seconds or 0)
@@ -308,7 +324,6 @@ class RedisHostStorage(HostKVStorage):
         describes; one missing means a concurrent write replaced the entry (read again) or the
         entry was lost (a miss).
         """
-        layout = self.layout
         for _ in range(_READ_ATTEMPTS):
             with self._own_keys(user_id):
                 raw = self._read_meta(keys=[self._meta_key(user_id), f"{self.prefix}:lru", f"{self.prefix}:seq"],
@@ -316,15 +331,17 @@ class RedisHostStorage(HostKVStorage):
             if not raw:
                 return None
             meta = self._parse(user_id, dict(zip(raw[::2], raw[1::2])))
-            out = blob_pages(layout, len(meta.versions))
-            rows = byte_rows(out)
+            offsets = np.zeros(len(meta.sizes) + 1, dtype=np.int64)
+            np.cumsum(meta.sizes, out=offsets[1:])
+            encoded = EncodedPages(meta.codec, torch.empty(int(offsets[-1]), dtype=torch.uint8), offsets)
+            rows = encoded.rows()
             lengths = self._pages.mget_into([self._page_key(user_id, v, i) for i, v in enumerate(meta.versions)], rows)
             if -1 not in lengths:
                 for i, (n, row) in enumerate(zip(lengths, rows)):
-                    if n != layout.page_nbytes or zlib.crc32(row) != meta.crc[i]:
+                    if n != len(row) or zlib.crc32(row) != meta.crc[i]:
                         self._bad_entry(user_id, meta.version, f"page {i} of write {meta.version.decode()} has {n} "
-                                        f"bytes (expected {layout.page_nbytes}) or a wrong checksum")
-                return HostPages(meta.start_pos, meta.length, out, meta.tag)
+                                        f"bytes (expected {len(row)}) or a wrong checksum")
+                return HostPages(meta.start_pos, meta.length, self._decode(user_id, meta, encoded), meta.tag)
             if self._redis.hget(self._meta_key(user_id), "version") == meta.version:
                 self.lost_reads += 1
                 self._drop(keys=[self._meta_key(user_id)], args=[self.prefix, user_id, meta.version])
@@ -343,17 +360,21 @@ class RedisHostStorage(HostKVStorage):
         """
         layout = self.layout
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hmget(self._meta_key(user_id), "start", "length", "version")
+        pipe.hmget(self._meta_key(user_id), "start", "length", "version", "codec")
         pipe.incr(f"{self.prefix}:seq")
         with self._own_keys(user_id):
-            (start, held_length, base), version = pipe.execute()
+            (start, held_length, base, held_codec), version = pipe.execute()
         held = None if start is None else HostEntry(int(start), int(held_length))
         num_pages = check_write_range(layout, user_id, length, first_page)
         if not continues(layout, start_pos, first_page, held):  # another node dropped or replaced it since
             self.write_conflicts += 1
             return HostWriteResult(False, ())
-        if num_pages * layout.page_nbytes > self._capacity:
-            return HostWriteResult(False, ())
+        if first_page and held_codec != self.codec.spec.encode():  # one entry, one encoding: rewrite it whole
+            kept = self.read(user_id)
+            if kept is None or kept.entry[:2] != held[:2]:
+                self.write_conflicts += 1
+                return HostWriteResult(False, ())
+            fill, first_page = whole_fill(kept.pages, first_page, fill), 0
         dst = self._staging.take(layout, num_pages - first_page)
         try:
             fill(dst)
@@ -361,14 +382,17 @@ class RedisHostStorage(HostKVStorage):
             with contextlib.suppress(redis.RedisError):  # the fill error is the one to report
                 self.drop(user_id)  # the contract: a failed fill drops the entry (nothing was sent)
             raise
-        rows = byte_rows(dst)
+        rows = self.codec.encode(layout, dst).rows()
+        if sum(len(row) for row in rows) > self._capacity:
+            return HostWriteResult(False, ())
         pipe = self._redis.pipeline(transaction=False)
         for i, row in enumerate(rows, start=first_page):
             pipe.set(self._page_key(user_id, version, i), memoryview(row), px=PENDING_PAGE_MS)
         self._commit(
             keys=[self._meta_key(user_id)],
             args=[self.prefix, user_id, base or b"", first_page, num_pages, version, start_pos, length, bytes(tag),
-                  page_crcs(rows).astype("<u4").tobytes(), layout.page_nbytes, self._capacity, self._ttl,
+                  page_crcs(rows).astype("<u4").tobytes(), ",".join(str(len(row)) for row in rows),
+                  self._capacity, self._ttl, self.codec.spec,
                   *sorted({int(u) for u in protect} - {user_id})],
             client=pipe,
         )
@@ -412,6 +436,13 @@ class RedisHostStorage(HostKVStorage):
         except TierDataError as exc:
             self._bad_entry(user_id, b"", str(exc))
 
+    def _decode(self, user_id: int, meta: _Meta, encoded: EncodedPages) -> PageData:
+        """The entry's pages decoded by the codec its meta names; an entry no codec decodes is a bad entry."""
+        try:
+            return self.codec.decode(self.layout, encoded)
+        except ValueError as exc:
+            self._bad_entry(user_id, meta.version, f"its pages do not decode ({exc})")
+
     def _bad_entry(self, user_id: int, version: bytes, problem: str) -> NoReturn:
         """Drop an entry that failed its checks (`version`, or any) and raise: it would fail every later read."""
         self.corrupt_reads += 1
@@ -439,8 +470,8 @@ class _PageReader:
         self._conn = None
         self._pending.clear()
 
-    def mget_into(self, keys: list[str], rows: np.ndarray) -> list[int]:
-        """Each key's value into its row of `rows` (uint8 [len(keys), n]) when it is exactly row-sized
+    def mget_into(self, keys: list[str], rows: list[np.ndarray]) -> list[int]:
+        """Each key's value into its row of `rows` (uint8 arrays, one per key) when it is exactly row-sized
         (other values are read and discarded); returns the values' lengths, -1 for a missing key."""
         if self._conn is None:
             self._conn = self._pool.connection_class(**self._pool.connection_kwargs)

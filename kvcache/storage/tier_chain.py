@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from ..codecs import DEFAULT_CODEC
 from ..config import KVCacheConfig, PageLayout
 from .base import (
     HostEntry,
@@ -29,6 +30,7 @@ from .base import (
     continues,
     sum_counters,
 )
+from .encoded_memory_tier import EncodedMemoryStorage
 from .memory_tier import InMemoryHostStorage
 
 
@@ -171,19 +173,25 @@ def _copy_of(hp: HostPages) -> PageFill:
 
 
 def build_host_storage(config: KVCacheConfig) -> HostKVStorage:
-    """The tiers `config` names: in-memory, then [fail-open disk], then [fail-open Redis].
+    """The tiers `config` names: in-memory, then [fail-open disk], then [fail-open Redis], each storing
+    pages encoded by `config.kv_codec` (the in-memory tier of a codec other than raw keeps encoded rows,
+    `EncodedMemoryStorage`, instead of the raw page slab).
 
     Only the in-memory tier when no other is configured. The lower tiers
     are wrapped in `FailOpenStorage`: the disk tier with a `tier_timeout_s` bound on each call
     (run on a worker thread); the Redis tier enforces the same bound as its socket timeout.
     """
-    memory = InMemoryHostStorage(config.host_capacity_bytes, pin_memory=config.pin_host_memory)
+    memory: HostKVStorage
+    if config.kv_codec == DEFAULT_CODEC:
+        memory = InMemoryHostStorage(config.host_capacity_bytes, pin_memory=config.pin_host_memory)
+    else:
+        memory = EncodedMemoryStorage(config.host_capacity_bytes, config.kv_codec)
     tiers: list[HostKVStorage] = [memory]
     if config.persistent_dir is not None:
         from .disk_tier import DiskHostStorage
         from .fail_open import FailOpenStorage
 
-        disk = DiskHostStorage(config.persistent_dir, config.persistent_capacity_bytes)
+        disk = DiskHostStorage(config.persistent_dir, config.persistent_capacity_bytes, codec=config.kv_codec)
         tiers.append(FailOpenStorage(disk, f"disk:{config.persistent_dir}", timeout_s=config.tier_timeout_s))
     if config.redis_url is not None:
         from .fail_open import FailOpenStorage
@@ -191,7 +199,7 @@ def build_host_storage(config: KVCacheConfig) -> HostKVStorage:
 
         redis_tier = RedisHostStorage(
             config.redis_url, config.redis_namespace, config.redis_capacity_bytes,
-            ttl_seconds=config.redis_ttl_seconds, timeout_s=config.tier_timeout_s,
+            ttl_seconds=config.redis_ttl_seconds, timeout_s=config.tier_timeout_s, codec=config.kv_codec,
         )
         tiers.append(FailOpenStorage(redis_tier, "redis"))
     return memory if len(tiers) == 1 else TieredHostStorage(tiers)

@@ -1,0 +1,102 @@
+"""Memory: K/V bytes per user, device pages per batch, what limits the batch, memory per served user.
+
+K/V bytes follow from the page layout (`kvcache.PageLayout`: pages of `page_size` tokens, K and V
+of every layer plus each token's int64 time), so they are computed for every preset and dtype.
+The batch limits combine them with what the visits section measured: a batch of B users of
+history L needs B x pages(L) device pages while it is served (the users of a batch cannot evict
+one another) and the working memory of a cached visit of B users, split from the peaks measured
+at two batch sizes into a part per batch and a part per user, beside the model's weights (the
+preset's real embedding tables). The pool is whatever the device budget leaves; the batch stops
+where pages plus working memory fill it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcache import PageLayout
+from model.config import HSTUConfig, preset
+from model.recommender import HSTURecommender
+
+from .visits import VisitRow
+
+
+@dataclass(frozen=True)
+class KVBytesRow:
+    preset: str
+    dtype: str
+    history: int
+    kv_bytes: int  # the user's pages (K/V of every layer, token times)
+
+
+@dataclass(frozen=True)
+class BatchLimit:
+    history: int
+    pages_per_user: int
+    page_bytes: int
+    kv_bytes_per_user: int
+    cached_work_per_batch: int  # a cached visit's working memory that does not grow with its users
+    cached_work_per_user: int  # ... and what each user adds
+    free_bytes: int  # device budget - weights
+    max_batch_cached: int  # users served at once with the cache
+    limited_by: str  # "K/V pages" or "working memory": the larger per-user term
+
+
+@dataclass(frozen=True)
+class UserMemory:
+    history: int
+    without_cache: int  # device bytes while a full-recompute visit runs
+    with_cache_device: int  # the user's pages + a cached visit's working memory
+    with_cache_resident: int  # the user's pages, held between visits (device or a host tier)
+
+
+def page_layout(config: HSTUConfig, dtype: torch.dtype) -> PageLayout:
+    return PageLayout(config.num_layers, config.num_heads, config.head_dim, config.page_size, dtype)
+
+
+def user_kv_bytes(layout: PageLayout, history: int) -> int:
+    return layout.num_pages(history) * layout.page_nbytes
+
+
+def kv_bytes_table(presets: list[str], dtypes: list[torch.dtype], histories: list[int]) -> list[KVBytesRow]:
+    return [KVBytesRow(name, str(dtype).removeprefix("torch."), h, user_kv_bytes(page_layout(preset(name), dtype), h))
+            for name in presets for dtype in dtypes for h in histories]
+
+
+def weights_bytes(preset_name: str, dtype: torch.dtype) -> int:
+    """Bytes of the preset's parameters at `dtype`, its full embedding tables included (built on the
+    meta device: nothing is allocated)."""
+    model = HSTURecommender(preset(preset_name), device="meta")
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+
+
+def batch_limits(config: HSTUConfig, dtype: torch.dtype, visits: list[VisitRow], budget_bytes: int,
+                 weights: int) -> list[BatchLimit]:
+    layout = page_layout(config, dtype)
+    free = max(budget_bytes - weights, 0)
+    rows = []
+    for v in visits:
+        kv = user_kv_bytes(layout, v.history)
+        per_user = max((v.cached_peak_bytes_batch - v.cached_peak_bytes) // max(v.memory_batch - 1, 1), 0)
+        per_batch = max(v.cached_peak_bytes - per_user, 0)
+        limited_by = "K/V pages" if kv >= per_user else "working memory"
+        max_batch = max(free - per_batch, 0) // (kv + per_user)
+        rows.append(BatchLimit(v.history, layout.num_pages(v.history), layout.page_nbytes, kv, per_batch, per_user,
+                               free, max_batch, limited_by))
+    return rows
+
+
+def pages_for_batches(limit: BatchLimit, batches: list[int]) -> list[int]:
+    """Device pages a batch of each size needs at this history."""
+    return [b * limit.pages_per_user for b in batches]
+
+
+def pool_pages(limit: BatchLimit, batch: int) -> int:
+    """Pages that fit beside the weights and the working memory of a cached visit of `batch` users."""
+    work = limit.cached_work_per_batch + batch * limit.cached_work_per_user
+    return max(limit.free_bytes - work, 0) // limit.page_bytes
+
+
+def memory_per_user(visits: list[VisitRow]) -> list[UserMemory]:
+    return [UserMemory(v.history, v.full_peak_bytes, v.kv_bytes + v.cached_peak_bytes, v.kv_bytes) for v in visits]

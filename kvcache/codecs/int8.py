@@ -1,0 +1,91 @@
+"""Int8 K/V: one scale per page, layer, K-or-V and head (KIVI-style groups of page_size x head_dim values).
+
+Symmetric: `q = round(x / s)` in [-127, 127], `s = max|x| / 127`; decoded `q * s`.
+Affine: `q = round((x - lo) / s)` in [0, 255], `s = (max - lo) / 255`, `lo = min x`; decoded `q * s + lo`
+(spends the 8 bits on the group's range, for groups that are not centred on 0).
+Either way |error| <= s / 2 per element (plus float32 rounding), the bound `max_abs_error` states.
+Scales are float32 (4 or 8 bytes per group: 0.8% of an int8 page for head_dim 64).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..config import PageLayout
+from .values import ValueCodec, aligned, cast_error, layer_shape
+
+_GROUP_DIMS = (3, 5)  # [k, l, 2, S, H, D]: a group spans the page's tokens and a head's dims
+
+
+class Int8Values(ValueCodec):
+    def __init__(self, affine: bool) -> None:
+        self.affine = affine
+        self.name = "int8affine" if affine else "int8"
+
+    def _params_nbytes(self, layout: PageLayout, num_layers: int) -> int:
+        groups = num_layers * 2 * layout.num_heads
+        return aligned(groups * 4 * (2 if self.affine else 1))
+
+    def width(self, layout: PageLayout, num_layers: int) -> int:
+        codes = num_layers * 2 * layout.page_size * layout.num_heads * layout.head_dim
+        return self._params_nbytes(layout, num_layers) + aligned(codes)
+
+    def _fields(self, layout: PageLayout, rows: Tensor, num_layers: int) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Views of rows [k, width]: scales [k, l, 2, H], offsets (affine) [k, l, 2, H], codes [k, l, 2, S, H, D]."""
+        k, groups = rows.shape[0], num_layers * 2 * layout.num_heads
+        params = rows[:, : groups * 4 * (2 if self.affine else 1)].view(torch.float32)
+        scales = params[:, :groups].view(k, num_layers, 2, layout.num_heads)
+        lows = params[:, groups:].view(k, num_layers, 2, layout.num_heads) if self.affine else None
+        start = self._params_nbytes(layout, num_layers)
+        count = groups * layout.page_size * layout.head_dim
+        codes = rows[:, start : start + count].view(torch.uint8 if self.affine else torch.int8)
+        return scales, lows, codes.view(layer_shape(layout, k, num_layers))
+
+    def _scale_and_low(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Per group [k, l, 2, H]: the step and (affine) the minimum."""
+        hi = x.amax(dim=_GROUP_DIMS)
+        if self.affine:
+            lo = x.amin(dim=_GROUP_DIMS)
+            span, levels = hi - lo, 255.0
+        else:
+            lo, span, levels = None, torch.maximum(hi, -x.amin(dim=_GROUP_DIMS)), 127.0
+        if not bool(torch.isfinite(span).all()):
+            raise ValueError(f"Codec {self.name}: the pages hold non-finite K/V (inf or NaN), which cannot be quantised.")
+        scale = span / levels
+        return torch.where(scale > 0, scale, torch.ones_like(scale)), lo  # a constant group: any scale is exact
+
+    def encode_into(self, layout: PageLayout, kv: Tensor, out: Tensor) -> None:
+        x = kv.float()
+        scale, lo = self._scale_and_low(x)
+        scales, lows, codes = self._fields(layout, out, kv.shape[1])
+        scales.copy_(scale)
+        step = scale[:, :, :, None, :, None]
+        if self.affine:
+            lows.copy_(lo)
+            codes.copy_(torch.round((x - lo[:, :, :, None, :, None]) / step).clamp_(0, 255))
+        else:
+            codes.copy_(torch.round(x / step).clamp_(-127, 127))
+
+    def decode(self, layout: PageLayout, rows: Tensor, num_layers: int) -> Tensor:
+        scales, lows, codes = self._fields(layout, rows, num_layers)
+        x = codes.float() * scales[:, :, :, None, :, None]
+        if self.affine:
+            x += lows[:, :, :, None, :, None]
+        return x.to(layout.dtype)
+
+    def decode_into(self, layout: PageLayout, rows: Tensor, out: Tensor) -> None:
+        if layout.dtype != torch.float32:  # the float32 result is rounded once, as `decode` does
+            super().decode_into(layout, rows, out)
+            return
+        scales, lows, codes = self._fields(layout, rows, out.shape[1])
+        torch.mul(codes, scales[:, :, :, None, :, None], out=out)  # float32, as codes.float() * scale
+        if self.affine:
+            out += lows[:, :, :, None, :, None]
+
+    def max_abs_error(self, layout: PageLayout, kv: Tensor) -> Tensor:
+        x = kv.float()
+        scale, lo = self._scale_and_low(x)
+        half_step = scale[:, :, :, None, :, None] / 2
+        # float32 rounding of the division, product and sum: a few ulps of the values involved
+        slack = (x.abs() + (0 if lo is None else lo.abs()[:, :, :, None, :, None])) * 2.0**-21
+        return half_step * (1 + 2.0**-20) + slack + cast_error(layout.dtype, x)

@@ -1,0 +1,134 @@
+"""kvcache.codecs: specs, exact round trips of the lossless codecs, the stated error bound of the
+lossy ones on random pages, times kept bit-exact, bad input refused."""
+import pytest
+import torch
+
+from helpers import host_pages, pages_equal
+from kvcache import PageLayout
+from kvcache.codecs import CodecSpecError, EncodedPages, codec_names, get_codec
+from kvcache.page_data import PageData, empty_pages
+
+LAYOUT = PageLayout(num_layers=3, num_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
+LOSSLESS = ["raw", "zstd", "zstd:shuffle=0", "zstd:level=1"]
+LOSSY = ["bf16", "fp16", "int8", "int8:mode=affine", "mixed", "mixed:shallow=raw,shallow_layers=2,deep=int8affine",
+         "sparse:keep=50,values=int8"]
+
+
+def _normal_pages(n, seed, scale=1.0, layout=LAYOUT):
+    g = torch.Generator().manual_seed(seed)
+    pages = empty_pages(layout, n)
+    pages.kv.copy_(torch.randn(pages.kv.shape, generator=g) * scale)
+    pages.times.copy_(torch.randint(-1, 1 << 62, pages.times.shape, generator=g))
+    return pages
+
+
+def test_names_and_canonical_specs():
+    assert codec_names() == ["bf16", "fp16", "int8", "mixed", "raw", "sparse", "zstd"]
+    assert get_codec("zstd").spec == "zstd:level=3,shuffle=1"
+    assert get_codec("int8").spec == "int8:mode=sym"
+    assert get_codec("mixed:deep=int8,shallow_layers=2").spec == "mixed:deep=int8,shallow=bf16,shallow_layers=2"
+    for name in codec_names():  # a canonical spec names the same codec again
+        spec = get_codec(name).spec
+        assert get_codec(spec).spec == spec
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ("lz9", "Unknown KV codec 'lz9'"), ("", "non-empty"), ("int8:mode", "not key=value"),
+    ("int8:mode=cubic", "mode must be one of"), ("zstd:level=99", "level must be in [1, 19]"),
+    ("bf16:level=3", "takes parameters none"), ("int8:mode=sym,mode=affine", "given twice"),
+    ("mixed:deep=int4", "deep must be one of"),
+])
+def test_bad_specs_are_refused_by_name(spec, problem):
+    with pytest.raises(CodecSpecError, match=problem.replace("[", r"\[").replace("]", r"\]")):
+        get_codec(spec)
+
+
+@pytest.mark.parametrize("spec", LOSSLESS)
+def test_lossless_codecs_are_bit_exact_on_any_bits(spec):
+    pages = host_pages(LAYOUT, 5, seed=3)  # random bits: NaNs and infs included
+    codec = get_codec(spec)
+    decoded = codec.decode(LAYOUT, codec.encode(LAYOUT, pages))
+    assert codec.lossless and pages_equal(decoded, pages)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", LOSSY)
+def test_lossy_codecs_stay_within_their_bound_and_keep_times(spec, dtype):
+    layout = PageLayout(3, 2, 8, 4, dtype)
+    codec = get_codec(spec)
+    for seed, scale in [(0, 1.0), (1, 1e-3), (2, 300.0)]:
+        pages = _normal_pages(6, seed, scale, layout)
+        pages.kv[1, 0, 0, :, 1] = 0.0  # a constant group
+        encoded = codec.encode(layout, pages)
+        decoded = codec.decode(layout, encoded)
+        assert torch.equal(decoded.times, pages.times)
+        assert decoded.kv.dtype == dtype
+        err = (decoded.kv.float() - pages.kv.float()).abs()
+        bound = codec.max_abs_error(layout, pages)
+        assert bool((err <= bound).all()), f"{spec}: error {float((err - bound).max())} past the bound"
+        assert float(err.max()) > 0 or dtype == torch.bfloat16
+
+
+def test_bound_is_tight_enough_to_mean_something():
+    """int8's bound is half a step of the group's range: ~|x|max / 254, not a loose constant."""
+    pages = _normal_pages(4, 0)
+    codec = get_codec("int8")
+    bound = codec.max_abs_error(LAYOUT, pages)
+    amax = pages.kv.abs().amax(dim=(3, 5), keepdim=True)
+    assert bool((bound <= amax / 254 * 1.001 + 1e-6).all())
+
+
+def test_sizes_of_fp32_pages():
+    """bf16 halves fp32 K/V, int8 takes a quarter plus its scales; times add 8 bytes a token to each."""
+    layout = PageLayout(3, 4, 128, 32, torch.float32)  # the kuairand-1k preset geometry
+    pages = _normal_pages(2, 0, layout=layout)
+    raw = layout.page_nbytes
+    ratio = {s: raw / get_codec(s).encode(layout, pages).sizes()[0] for s in ["bf16", "int8", "mixed"]}
+    assert 1.99 < ratio["bf16"] <= 2.0
+    assert 3.9 < ratio["int8"] < 4.0
+    assert ratio["bf16"] < ratio["mixed"] < ratio["int8"]
+
+
+def test_int8_refuses_non_finite_pages_by_name():
+    pages = _normal_pages(2, 0)
+    pages.kv[1, 2, 1, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="non-finite K/V"):
+        get_codec("int8").encode(LAYOUT, pages)
+
+
+def test_decode_refuses_another_codecs_pages():
+    pages = _normal_pages(2, 0)
+    encoded = get_codec("bf16").encode(LAYOUT, pages)
+    with pytest.raises(ValueError, match="encoded with codec 'bf16' cannot be decoded by 'int8:mode=sym'"):
+        get_codec("int8").decode(LAYOUT, encoded)
+    wrong = EncodedPages("zstd:level=3,shuffle=1", encoded.data, encoded.offsets)  # mislabelled bytes
+    with pytest.raises(Exception):  # noqa: B017 (zstd's own error for bytes that are no frame)
+        get_codec("zstd").decode(LAYOUT, wrong)
+
+
+def test_encoding_strided_pages_equals_encoding_dense_ones():
+    """Tiers hand out layer-major views; a codec must read them as the pages they are."""
+    dense = _normal_pages(3, 5)
+    strided_kv = dense.kv.transpose(0, 1).contiguous().transpose(0, 1)
+    strided = PageData(strided_kv, dense.times.clone())
+    for spec in ["zstd", "int8", "mixed"]:
+        codec = get_codec(spec)
+        a, b = codec.encode(LAYOUT, dense), codec.encode(LAYOUT, strided)
+        assert torch.equal(a.data, b.data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_into_strided_output_equals_decode(dtype):
+    """Fixed-width codecs decode each run of layers straight into the output pages (one pass, no
+    temporary): bit-identical to the value codec's own decode."""
+    from kvcache.codecs.int8 import Int8Values
+    from kvcache.codecs.values import CastValues
+
+    layout = PageLayout(3, 2, 8, 4, dtype)
+    kv = _normal_pages(3, 7, layout=layout).kv
+    for values in [Int8Values(affine=False), Int8Values(affine=True), CastValues("bf16", torch.bfloat16)]:
+        rows = torch.empty((3, values.width(layout, 2)), dtype=torch.uint8)
+        values.encode_into(layout, kv[:, 1:], rows)
+        out = torch.full_like(kv, 7.0)
+        values.decode_into(layout, rows, out[:, 1:])
+        assert torch.equal(out[:, 1:], values.decode(layout, rows, 2)) and bool((out[:, 0] == 7.0).all())
