@@ -50,7 +50,8 @@ class CacheStats:
         return asdict(self)
 
 
-GAUGES = ("pages_in_use", "pages_owned", "pages_total", "users_on_device", "users_on_host", "host_bytes_used", "host_capacity_bytes")
+GAUGES = ("pages_in_use", "pages_owned", "pages_total", "users_on_device", "users_on_host", "host_bytes_used",
+          "host_capacity_bytes")
 TIER_COUNTERS = {"tier_failures": "failures", "tier_timeouts": "timeouts", "tier_corrupt_reads": "corrupt_reads"}
 COUNTERS = tuple(f.name for f in fields(CacheStats) if f.name not in GAUGES and f.name not in TIER_COUNTERS)
 
