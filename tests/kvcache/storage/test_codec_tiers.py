@@ -119,6 +119,5 @@ def test_copy_users_puts_each_user_in_the_destinations_encoded_tier():
         assert dst.stats().users_on_device == 0 and dst.stats().users_on_host == 2
         for u in (1, 2):
             assert torch.equal(dst.read_times(u), src.read_times(u))
-            k_src, v_src = src.read_kv(u, 1)
-            k_dst, v_dst = dst.read_kv(u, 1)
-            assert 0 < float((v_dst - v_src).abs().max()) < 0.05 * float(v_src.abs().max())
+            for held, copied in zip(src.read_kv(u, 1), dst.read_kv(u, 1)):  # K, then V: int8 of them
+                assert 0 < float((copied - held).abs().max()) < 0.05 * float(held.abs().max())
