@@ -57,7 +57,7 @@ def make_tier(kind, tmp_path, request):
         t.close()
 
 
-@pytest.mark.parametrize("codec", ["zstd", "int8", "mixed", "sparse:keep=50,recent=0,values=int8"])
+@pytest.mark.parametrize("codec", ["zstd", "int8", "mixed", "sparse:keep=50,merge=0,recent=0,values=int8"])
 def test_incremental_round_trip_decodes_what_was_encoded(make_tier, codec):
     tier = make_tier(codec)
     held, length = _pages(0, 0), 0
