@@ -101,7 +101,8 @@ def run_codec(args, model, dataset, spec, batches, warm, pages_needed, largest) 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data_dir", required=True)
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", default=None, help="model.train output (omit: a random-init --preset model)")
+    p.add_argument("--preset", default="demo", help="the random-init model's preset (without --checkpoint)")
     p.add_argument("--codecs", nargs="+", type=codec_spec, default=["raw", "zstd", "bf16", "int8", "mixed"])
     p.add_argument("--from_date", type=int, default=DEFAULT_SPLIT_DATE)
     p.add_argument("--batch_size", type=int, default=8)
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     # the fields cache_config reads, as inference_end2end_example.py defaults them
     args.kv_pages, args.host_capacity, args.async_offload, args.kv_tier = None, None, False, "memory"
     args.kv_codec = "raw"  # replaced per pass
-    args.device, args.dtype, args.seed, args.preset = "cpu", "float32", 0, "demo"
+    args.device, args.dtype, args.seed = "cpu", "float32", 0
     dataset = InferenceDataset(args.data_dir)
     model = load_model(args, dataset)
     from_ms = date_to_ms(args.from_date)

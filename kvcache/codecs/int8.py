@@ -78,7 +78,8 @@ class Int8Values(ValueCodec):
             super().decode_into(layout, rows, out)
             return
         scales, lows, codes = self._fields(layout, rows, out.shape[1])
-        torch.mul(codes, scales[:, :, :, None, :, None], out=out)  # float32, as codes.float() * scale
+        out.copy_(codes)  # exact; then in place, as codes.float() * scale: two plain passes beat one mixed-type one
+        out *= scales[:, :, :, None, :, None]
         if self.affine:
             out += lows[:, :, :, None, :, None]
 

@@ -114,7 +114,11 @@ def _sparse(params: dict[str, str]) -> KVCodec:
     score = _choice(params, "score", "vnorm", SCORES)
     values = _choice(params, "values", "raw", _VALUE_NAMES)
     merge = _int_param(params, "merge", 1, 0, 1 << 15)
-    return SparseCodec(SparseParams(keep, merge, recent, score, values), _value_codec(values))
+    try:
+        params = SparseParams(keep, merge, recent, score, values)
+    except ValueError as exc:
+        raise CodecSpecError(str(exc)) from None
+    return SparseCodec(params, _value_codec(values))
 
 
 def _int8(params: dict[str, str]) -> KVCodec:

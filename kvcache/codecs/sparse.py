@@ -80,6 +80,10 @@ class SparseParams:
     def __post_init__(self) -> None:
         if not 1 <= self.keep_percent <= 100 or self.merge < 0 or self.recent_pages < 0 or self.score not in SCORES:
             raise ValueError(f"Bad sparse codec parameters: {self}.")
+        if self.merge and not self.recent_pages and self.keep_percent < 100:
+            # A write's last page is the user's partial one: its unused slots hold what the device page held
+            # before (another user's tokens), which a merge would fold into a token of this user.
+            raise ValueError("A sparse codec that merges must keep the last page of each write whole (recent >= 1).")
 
     @property
     def spec(self) -> str:

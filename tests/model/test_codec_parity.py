@@ -75,4 +75,4 @@ def test_sparse_keeping_every_token_is_exact_and_dropping_tokens_moves_logits(wo
 
     half, fifth = error("sparse:keep=50,merge=0,recent=0"), error("sparse:keep=20,merge=0,recent=0")
     assert 0 < half < fifth
-    assert 0 < error("sparse:keep=20,merge=1,recent=0") < fifth
+    assert 0 < error("sparse:keep=20,merge=1,recent=1") < fifth

@@ -29,7 +29,8 @@ def test_specs_are_canonical_and_checked():
     assert get_codec("sparse").spec == "sparse:keep=50,merge=1,recent=1,score=vnorm,values=raw"
     assert get_codec("sparse:values=int8,keep=10,merge=1").spec == "sparse:keep=10,merge=1,recent=1,score=vnorm,values=int8"
     for bad, problem in [("sparse:keep=0", "keep must be in"), ("sparse:score=h2o", "score must be one of"),
-                         ("sparse:values=zstd", "values must be one of"), ("sparse:recent=-1", "recent must be in")]:
+                         ("sparse:values=zstd", "values must be one of"), ("sparse:recent=-1", "recent must be in"),
+                         ("sparse:recent=0", "recent >= 1")]:
         with pytest.raises(CodecSpecError, match=problem):
             get_codec(bad)
 
@@ -70,7 +71,7 @@ def test_kvnorm_ranks_by_the_product_and_full_keep_is_exact():
 
 
 @pytest.mark.parametrize("spec", ["sparse:keep=20", "sparse:keep=50,values=int8,score=kvnorm",
-                                  "sparse:keep=20,merge=1,values=int8", "sparse:keep=10,values=bf16,recent=0"])
+                                  "sparse:keep=20,merge=1,values=int8", "sparse:keep=10,merge=0,values=bf16,recent=0"])
 def test_error_within_bound_and_bytes_shrink(spec):
     pages = _pages(6, seed=4)
     codec = get_codec(spec)
@@ -81,7 +82,7 @@ def test_error_within_bound_and_bytes_shrink(spec):
 
 
 def test_corrupt_rows_are_refused():
-    codec = get_codec("sparse:keep=25,recent=0")
+    codec = get_codec("sparse:keep=25,merge=0,recent=0")
     encoded = codec.encode(LAYOUT, _pages(2))
     bad = encoded.data.clone()
     bad[:8].view(torch.int64).fill_(99)  # a page claiming 99 kept tokens
@@ -134,9 +135,9 @@ def test_page_data_is_untouched_by_encoding():
 def test_merge_folds_the_dropped_tokens_into_one_stored_token():
     """merge=1: the page stores its top tokens and, at the middle dropped slot, the dropped tokens' mean K
     and summed V; every other dropped slot decodes as zero."""
-    pages = _pages(1)
+    pages = _pages(2)  # page 1, the write's last, is kept whole
     pages.kv[0, :, 1, 6] *= 100  # slot 6 is the top |V| token
-    decoded = _round_trip("sparse:keep=1,merge=1,recent=0", pages)  # keeps 1 of 8, merges 7
+    decoded = _round_trip("sparse:keep=1,merge=1,recent=1", pages)  # keeps 1 of 8, merges 7
     dropped = [0, 1, 2, 3, 4, 5, 7]
     assert torch.equal(decoded.kv[0, :, :, 6], pages.kv[0, :, :, 6])
     merged = decoded.kv[0, :, :, 3]  # the middle of the dropped slots
@@ -144,18 +145,18 @@ def test_merge_folds_the_dropped_tokens_into_one_stored_token():
     assert torch.allclose(merged[:, 1], pages.kv[0, :, 1, dropped].sum(dim=1), atol=1e-6)
     others = [0, 1, 2, 4, 5, 7]
     assert not decoded.kv[0, :, :, others].any()
-    codec = get_codec("sparse:keep=1,merge=1,recent=0")
+    codec = get_codec("sparse:keep=1,merge=1,recent=1")
     assert ((decoded.kv - pages.kv).abs() <= codec.max_abs_error(LAYOUT, pages)).all()
 
 
 def test_merge_into_runs_of_dropped_slots():
     """merge=2: the 7 dropped slots [0, 1, 2, 3, 4, 5, 7] form runs [0..3] and [4, 5, 7], each folded into
     its middle slot (1 and 5)."""
-    pages = _pages(1, seed=2)
+    pages = _pages(2, seed=2)
     pages.kv[0, :, 1, 6] *= 100
-    decoded = _round_trip("sparse:keep=1,merge=2,recent=0", pages)
+    decoded = _round_trip("sparse:keep=1,merge=2,recent=1", pages)
     for run, slot in [([0, 1, 2, 3], 1), ([4, 5, 7], 5)]:
         assert torch.allclose(decoded.kv[0, :, 0, slot], pages.kv[0, :, 0, run].mean(dim=1), atol=1e-6)
         assert torch.allclose(decoded.kv[0, :, 1, slot], pages.kv[0, :, 1, run].sum(dim=1), atol=1e-6)
     assert not decoded.kv[0, :, :, [0, 2, 3, 4, 7]].any()
-    assert get_codec("sparse:keep=1,merge=2,recent=0").encode(LAYOUT, pages).sizes()[0] < LAYOUT.page_nbytes / 2
+    assert get_codec("sparse:keep=1,merge=2,recent=1").encode(LAYOUT, pages).sizes()[0] < LAYOUT.page_nbytes / 2

@@ -57,7 +57,7 @@ def make_tier(kind, tmp_path, request):
         t.close()
 
 
-@pytest.mark.parametrize("codec", ["zstd", "int8", "mixed", "sparse:keep=50,recent=0,values=int8"])
+@pytest.mark.parametrize("codec", ["zstd", "int8", "mixed", "sparse:keep=50,merge=0,recent=0,values=int8"])
 def test_incremental_round_trip_decodes_what_was_encoded(make_tier, codec):
     tier = make_tier(codec)
     held, length = _pages(0, 0), 0
@@ -101,3 +101,23 @@ def test_a_write_that_does_not_fit_encoded_changes_nothing(tmp_path):
     assert tier.write(1, 0, 16, 0, lambda dst: dst.copy_(_pages(4, 0))).stored
     result = tier.write(2, 0, 24, 0, lambda dst: dst.copy_(_pages(6, 1)), protect={1})
     assert not result.stored and tier.info(2) is None and tier.info(1) is not None
+
+
+def test_copy_users_puts_each_user_in_the_destinations_encoded_tier():
+    """kvcache.testing.copy_users (the codec report's warm start): the destination holds each user's range,
+    tag, times and K/V (as its codec keeps them), in its host tier and not on its device."""
+    from kvcache import KVCacheConfig, KVCacheManager
+    from kvcache.testing import copy_users, serve
+
+    geometry = dict(num_layers=2, num_heads=2, head_dim=8, page_size=4, num_pages=32)
+    with KVCacheManager(KVCacheConfig(**geometry)) as src, \
+            KVCacheManager(KVCacheConfig(**geometry, kv_codec="int8")) as dst:
+        serve(src, [1, 2], [0, 3], [10, 7])
+        assert copy_users(src, dst, [1, 2, 3]) == 17  # user 3 holds nothing
+        assert [(v.start_pos, v.length) for v in dst.get_user_versions([1, 2, 3])] == [(0, 10), (3, 7), (0, 0)]
+        assert dst.get_user_tags([1, 2]) == src.get_user_tags([1, 2])
+        assert dst.stats().users_on_device == 0 and dst.stats().users_on_host == 2
+        for u in (1, 2):
+            assert torch.equal(dst.read_times(u), src.read_times(u))
+            for held, copied in zip(src.read_kv(u, 1), dst.read_kv(u, 1)):  # K, then V: int8 of them
+                assert 0 < float((copied - held).abs().max()) < 0.05 * float(held.abs().max())

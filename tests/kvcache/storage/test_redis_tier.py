@@ -487,12 +487,17 @@ def test_reads_recover_after_the_server_drops_the_connections(redis_server):
     assert pages_equal(hp.pages, _random_pages(3, seed=4))
 
 
-def test_tier_benchmark_runs_at_tiny_sizes(redis_server, tmp_path, capsys, monkeypatch):
-    """Keeps benchmark/tier_benchmark.py from rotting (the real run is in docs/kvcache.md)."""
+def _tier_benchmark(monkeypatch):
     spec = importlib.util.spec_from_file_location("tier_benchmark", ROOT / "benchmark" / "tier_benchmark.py")
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "tier_benchmark", bench)  # its dataclasses look their module up
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_tier_benchmark_runs_at_tiny_sizes(redis_server, tmp_path, capsys, monkeypatch):
+    """Keeps benchmark/tier_benchmark.py from rotting (the real run is in docs/kvcache.md)."""
+    bench = _tier_benchmark(monkeypatch)
     out = tmp_path / "tiers.json"
     assert bench.main(["--histories", "32", "64", "--repeats", "1", "--redis_url", redis_server,
                        "--workdir", str(tmp_path), "--output", str(out)]) == 0
@@ -502,6 +507,21 @@ def test_tier_benchmark_runs_at_tiny_sizes(redis_server, tmp_path, capsys, monke
     assert set(result["crossover"]) == set(bench.TIERS)
     assert "recompute/reload" in capsys.readouterr().out
     assert not list(redis.Redis.from_url(redis_server).scan_iter("hstu:tier-benchmark-*:u:*"))  # cleaned up
+
+
+def test_tier_benchmark_times_each_codec_against_raw(tmp_path, monkeypatch):
+    """--kv_codecs: every codec a tier of its own, and its reload as a multiple of the raw one's."""
+    bench = _tier_benchmark(monkeypatch)
+    out = tmp_path / "tiers.json"
+    assert bench.main(["--tiers", "memory", "--histories", "64", "--repeats", "1", "--kv_codecs", "raw", "bf16",
+                       "sparse:keep=20", "--workdir", str(tmp_path), "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["tier"]: r["reload_ms"] for r in result["rows"]}
+    assert set(rows) == {"memory", "memory bf16", "memory sparse:keep=20,merge=1,recent=1,score=vnorm,values=raw"}
+    for name, ratio in result["reload_vs_raw"].items():
+        tier = name.split(" @ ")[0]
+        assert ratio == pytest.approx(rows[tier] / rows["memory"])
+    assert len(result["reload_vs_raw"]) == 2
 
 
 def _serve_returning_users(url, ns, users):

@@ -1,0 +1,41 @@
+"""benchmark/kv_codec_report.py end to end on tiny data: exact codecs report no logit change, lossy ones a
+small one and fewer bytes, and the full-recompute reference is written once and reused."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from helpers import REPO_ROOT, build_processed
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    sys.path.insert(0, str(REPO_ROOT / "benchmark"))  # the script imports its sibling modules
+    spec = importlib.util.spec_from_file_location("kv_codec_report", REPO_ROOT / "benchmark" / "kv_codec_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(REPO_ROOT / "benchmark"))
+
+
+def test_report_rows_per_codec_and_a_reused_reference(report, tmp_path):
+    processed = build_processed(tmp_path / "data")
+    reference = tmp_path / "full.npz"
+    common = ["--data_dir", str(processed), "--preset", "tiny", "--max_requests", "24", "--full_reference", str(reference)]
+    assert report.main([*common, "--codecs", "zstd", "int8", "sparse:keep=20,merge=0,recent=0",
+                        "--output", str(tmp_path / "a.json")]) == 0
+    rows = json.loads((tmp_path / "a.json").read_text())["codecs"]
+    sparse = "sparse:keep=20,merge=0,recent=0,score=vnorm,values=raw"
+    assert list(rows) == ["raw", "zstd:level=3,shuffle=1", "int8:mode=sym", sparse]
+    assert rows["raw"]["max_abs_logit_diff_vs_full"] == 0 and rows["zstd:level=3,shuffle=1"]["max_abs_logit_diff_vs_raw"] == 0
+    assert all(r["tokens_reused"] > 0 for r in rows.values())
+    lossy = [rows["int8:mode=sym"], rows[sparse]]
+    assert all(r["max_abs_logit_diff_vs_raw"] > 0 and r["bytes_ratio_vs_raw_pages"] > 1.5 for r in lossy)
+    stamp = reference.stat().st_mtime_ns
+    assert report.main([*common, "--codecs", "bf16", "--output", str(tmp_path / "b.json")]) == 0
+    assert reference.stat().st_mtime_ns == stamp  # read, not replayed again
+    again = json.loads((tmp_path / "b.json").read_text())
+    assert again["full_recompute_auc"] == json.loads((tmp_path / "a.json").read_text())["full_recompute_auc"]
