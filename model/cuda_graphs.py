@@ -48,9 +48,11 @@ class CUDAGraphs:
         """`model.run(inputs, kv)` through the bucket's graph. -> [M, num_tasks] (a fresh tensor)"""
         if inputs.device_inputs.buffer is None:
             raise ValueError("inputs were not uploaded to a CUDA device")
-        if inputs.attention.plan.backend != "triton":  # the blocked path sizes its loops from the batch
-            raise ValueError("CUDA graphs need the triton attention backend (is triton installed?)")
-        kv = kv if kv is not None else FullRecompute(len(inputs.attention.plan.cached_lengths))
+        backend = inputs.attention.backend
+        if not backend.captures_in_graphs:
+            raise ValueError(f"CUDA graphs need an attention backend that captures in graphs, not {backend.name!r} "
+                             "(the triton backend does: is triton installed?)")
+        kv = kv if kv is not None else FullRecompute(inputs.attention.plan.batch.num_users)
         key = (inputs.features.shape, inputs.device_inputs.layout, kv.graph_key)
         entry = self._graphs.get(key)
         if entry is None:
