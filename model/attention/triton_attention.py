@@ -84,6 +84,11 @@ def tile_schedule(query_lengths: np.ndarray, first_row: np.ndarray, capacity: in
             np.pad(starts, (0, pad)).astype(np.int32))
 
 
+def allowed_splits() -> tuple[int, ...]:
+    """Every split count `split_count` may choose."""
+    return tuple(1 << i for i in range(MAX_SPLITS.bit_length()))
+
+
 def tile_capacity(num_rows: int, num_users: int) -> int:
     """Most query tiles a batch of these row and user capacities can need."""
     return -(-num_rows // BLOCK_M) + num_users
@@ -216,7 +221,7 @@ if triton is not None:
             acc += self_score[:, None] * v_own
 
         out = OUT + split * stride_os + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
-        tl.store(out, (acc * inv_normalizer).to(OUT.dtype.element_ty), mask=valid_row[:, None])
+        tl.store(out, acc * inv_normalizer, mask=valid_row[:, None])
 
 
 @dataclass(frozen=True)
@@ -271,10 +276,9 @@ def triton_hstu_attention(
     time_bias = bias.time.float().contiguous() if time_buckets else q
     query_times = bias_inputs.query_times if time_buckets else arrays["tile_rows"]
     key_times = bias_inputs.key_times if time_buckets else arrays["tile_rows"]
-    if splits > 1:
-        out = torch.zeros((splits, T, H, D), dtype=torch.float32, device=q.device)
-    else:
-        out = torch.zeros((1, T, H, D), dtype=q.dtype, device=q.device)
+    # Partial sums [splits, T, H, D] in fp32 whatever the split count: one output type, so one compiled
+    # variant serves every split (bf16 at one split pays a cast of the output, not a compile).
+    out = torch.zeros((splits, T, H, D), dtype=torch.float32, device=q.device)
     constants = kernel_constants(page_size, D, q.dtype, position_buckets, time_buckets)
     if tiles:
         _hstu_attention_kernel[(tiles, H, splits)](
@@ -288,4 +292,4 @@ def triton_hstu_attention(
             out.stride(0), out.stride(1), out.stride(2),
             **constants.constexprs(), num_warps=constants.num_warps, num_stages=constants.num_stages,
         )
-    return out.sum(0).to(q.dtype) if splits > 1 else out[0]
+    return (out.sum(0) if splits > 1 else out[0]).to(q.dtype)
