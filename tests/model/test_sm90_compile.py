@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO_ROOT, subprocess_env
 
 pytest.importorskip("triton")
-from model import kernel_compile  # noqa: E402  (after the skip: it names triton's CUDA backend)
+from model import kernel_compile
 
 pytestmark = pytest.mark.slow
 
