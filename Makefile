@@ -19,8 +19,12 @@ CHECKPOINT  := $(ARTIFACTS)/checkpoint
 DEMO_PRESET ?= demo
 DEMO_REQUESTS ?=
 TRAIN_SECONDS ?= 150
+REPORT_DIR  ?= artifacts/gpu-report
+# A folder with wheels and setup.sh for a GPU machine that has a CUDA torch but cannot install packages
+# (docs/install.md, "The first GPU run"); empty: the venv.
+GPU_KIT     ?=
 
-.PHONY: demo test venv clean check-gpu-install
+.PHONY: demo test venv clean check-gpu-install gpu-report
 
 venv: $(STAMP)
 
@@ -48,6 +52,16 @@ check-gpu-install: $(STAMP)
 	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(PY) -m pip install --dry-run --ignore-installed --no-cache-dir \
 		--index-url https://pypi.org/simple -c constraints.txt \
 		-r requirements.txt -r requirements-cuda.txt -r requirements-torchrec.txt 2>&1 | tail -n 1
+
+# The first run on a GPU machine: runtime check, CUDA tests, block benchmark and end-to-end replay in one
+# report (benchmark/gpu_report.py, under 20 minutes). DRY=1 runs every step's CPU part at tiny sizes.
+ifeq ($(GPU_KIT),)
+gpu-report: $(STAMP)
+	$(PY) benchmark/gpu_report.py --output $(REPORT_DIR) $(if $(DRY),--dry)
+else
+gpu-report:
+	bash -c 'source $(GPU_KIT)/setup.sh && python3 benchmark/gpu_report.py --output $(REPORT_DIR) $(if $(DRY),--dry)'
+endif
 
 demo: $(STAMP)
 ifeq ($(DATA_DIR),)

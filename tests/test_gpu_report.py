@@ -1,0 +1,47 @@
+"""`make gpu-report`'s dry run executes every step's CPU part and writes the report; the GPU plan fits its budget
+and measures the issue's shapes (benchmark/gpu_report.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gpu_report
+import pytest
+
+from helpers import REPO_ROOT, subprocess_env
+
+
+def test_the_gpu_plan_measures_the_target_shapes_within_the_budget(tmp_path):
+    steps = {s.name: s for s in gpu_report.plan_steps(tmp_path, dry=False)}
+    assert list(steps) == ["runtime", "tests", "block", "end2end"]
+    assert sum(s.timeout_s for s in steps.values()) <= gpu_report.BUDGET_SECONDS - 60  # room to start and report
+    block = " ".join(steps["block"].commands[0])
+    for part in ("--device cuda", "--dtype bfloat16", "--cuda_graphs", "--batches 1 8 32", "--histories 4096",
+                 "--new_tokens 128", "--candidates 256"):  # 3968 cached + 128 new + 256 candidates
+        assert part in block, part
+    replay = " ".join(steps["end2end"].commands[-1])
+    assert "--dtype bfloat16" in replay and "--device cuda" in replay and "--no_compare" not in replay
+    assert not any("--collect-only" in command for command in steps["tests"].commands)
+
+
+@pytest.mark.slow
+def test_the_dry_run_executes_every_step_and_reports(tmp_path):
+    out = tmp_path / "report"
+    run = subprocess.run([sys.executable, "benchmark/gpu_report.py", "--dry", "--output", str(out)], cwd=REPO_ROOT,
+                         env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    steps = {s["name"]: s for s in report["steps"]}
+    assert report["dry"] and "dry run" in report["device"]
+    assert steps["runtime"]["status"] == "failed" and "CPU build" in steps["runtime"]["output_tail"]
+    assert all(steps[name]["status"] == "passed" for name in ("tests", "block", "end2end")), steps
+    assert "collected" in steps["tests"]["output_tail"] or "tests collected" in steps["tests"]["output_tail"]
+    assert [(r["history"], r["batch"]) for r in steps["block"]["result"]["rows"]] == [(64, 1), (64, 2)]
+    assert steps["end2end"]["result"]["parity"] == "pass" and steps["end2end"]["result"]["speedup"] > 0
+    figures = {f["figure"]: f for f in report["figures"]}
+    assert figures["end-to-end logit parity"]["met"] is True
+    assert all(f["target"] is None for name, f in figures.items() if "block" in name)  # no H100 target on CPU
+    markdown = Path(out / "report.md").read_text()
+    assert markdown.startswith(f"# GPU report: {report['device']}") and "| end2end | passed |" in markdown
