@@ -9,6 +9,7 @@ import pytest
 
 from data.dataset import InferenceDataset
 from helpers import build_processed, make_cache, sensitive_model
+from model.attention import triton_attention
 from model.inference import InferenceSession
 from model.op_counter import OpCounter
 from model.train import config_for_dataset
@@ -19,18 +20,25 @@ def dataset(tmp_path_factory):
     return InferenceDataset(build_processed(tmp_path_factory.mktemp("shape")))
 
 
-def _warm_session(dataset, cached: bool):
+def _warm_session(dataset, cached: bool, backend: str = "blocked"):
     cfg = config_for_dataset("tiny", dataset)
-    session = InferenceSession(sensitive_model(cfg, 0), dataset, kv_cache=make_cache(cfg, num_pages=2048) if cached else None)
+    model = sensitive_model(cfg, 0)
+    model.attention_backend = backend
+    session = InferenceSession(model, dataset, kv_cache=make_cache(cfg, num_pages=2048) if cached else None)
     batches = list(dataset.batches(dataset.request_indices(), 8))
     for batch in batches[:30]:  # users come back: their cache is warm
         session.serve(batch)
     return session, batches[30:]
 
 
+@pytest.mark.parametrize("backend", ["blocked", "triton"])
 @pytest.mark.parametrize("cached", [True, False], ids=["cached", "full"])
-def test_serve_has_no_sync_ops_and_flat_op_counts(dataset, cached):
-    session, later = _warm_session(dataset, cached)
+def test_serve_has_no_sync_ops_and_flat_op_counts(dataset, cached, backend):
+    """The whole visit (planning, forward, commit, offload to the host tier), on the CPU path and on the
+    Triton path the GPU runs (its kernel under the interpreter)."""
+    if backend == "triton" and not triton_attention.available():
+        pytest.skip("triton is not installed")
+    session, later = _warm_session(dataset, cached, backend)
     batch_of_8 = next(b for b in later if len(b) == 8)
     batch_of_1 = later[-1][:1]
     with OpCounter() as ops_8:
