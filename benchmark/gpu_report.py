@@ -57,11 +57,13 @@ class StepResult:
     result: dict | None = field(default=None)
 
 
-def plan_steps(out: Path, dry: bool) -> list[Step]:
-    """The report's steps; `dry`: their CPU parts at tiny sizes. Timeouts sum to under BUDGET_SECONDS."""
+def plan_steps(out: Path, work: Path, dry: bool) -> list[Step]:
+    """The report's steps, writing the report's files into `out` and the replay's data into `work` (the
+    report directory stays a handful of files); `dry`: their CPU parts at tiny sizes. Timeouts sum to
+    under BUDGET_SECONDS."""
     py = sys.executable
     device, dtype = ("cpu", "float32") if dry else ("cuda", "bfloat16")
-    data, raw = out / "data" / "processed", out / "data" / "raw"
+    data, raw = work / "processed", work / "raw"
     tests = [py, "-m", "pytest", "-q"]
     if dry:
         tests_commands = [[*tests, "--collect-only", *KERNEL_TESTS], [*tests, "--collect-only", "tests", "-k", "cuda"]]
@@ -169,6 +171,8 @@ def write_report(out: Path, dry: bool, results: list[StepResult], seconds: float
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, default=Path("artifacts/gpu-report"), help="report directory")
+    p.add_argument("--work", type=Path, default=Path("artifacts/gpu-report-data"),
+                   help="where the end-to-end step writes its synthetic data")
     p.add_argument("--dry", action="store_true", help="every step's CPU part at tiny sizes (no GPU needed)")
     p.add_argument("--steps", nargs="+", default=None, help="run only these steps (default: all)")
     args = p.parse_args(argv)
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results = []
-    for step in plan_steps(out, args.dry):
+    for step in plan_steps(out, args.work.resolve(), args.dry):
         if args.steps and step.name not in args.steps:
             continue
         print(f"[gpu-report] {step.name}: {step.what}", flush=True)

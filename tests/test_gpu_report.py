@@ -14,7 +14,7 @@ from helpers import REPO_ROOT, subprocess_env
 
 
 def test_the_gpu_plan_measures_the_target_shapes_within_the_budget(tmp_path):
-    steps = {s.name: s for s in gpu_report.plan_steps(tmp_path, dry=False)}
+    steps = {s.name: s for s in gpu_report.plan_steps(tmp_path / "report", tmp_path / "work", dry=False)}
     assert list(steps) == ["runtime", "tests", "block", "end2end"]
     assert sum(s.timeout_s for s in steps.values()) <= gpu_report.BUDGET_SECONDS - 60  # room to start and report
     block = " ".join(steps["block"].commands[0])
@@ -29,7 +29,8 @@ def test_the_gpu_plan_measures_the_target_shapes_within_the_budget(tmp_path):
 @pytest.mark.slow
 def test_the_dry_run_executes_every_step_and_reports(tmp_path):
     out = tmp_path / "report"
-    run = subprocess.run([sys.executable, "benchmark/gpu_report.py", "--dry", "--output", str(out)], cwd=REPO_ROOT,
+    command = [sys.executable, "benchmark/gpu_report.py", "--dry", "--output", str(out), "--work", str(tmp_path / "work")]
+    run = subprocess.run(command, cwd=REPO_ROOT,
                          env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -45,3 +46,6 @@ def test_the_dry_run_executes_every_step_and_reports(tmp_path):
     assert all(f["target"] is None for name, f in figures.items() if "block" in name)  # no H100 target on CPU
     markdown = Path(out / "report.md").read_text()
     assert markdown.startswith(f"# GPU report: {report['device']}") and "| end2end | passed |" in markdown
+    # A few files, so that a runner returning at most eight files from a folder brings the whole report back.
+    assert sorted(p.name for p in out.iterdir()) == ["block.json", "end2end.json", "end2end.png", "report.json",
+                                                     "report.md"]

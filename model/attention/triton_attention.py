@@ -27,7 +27,7 @@ What varies from batch to batch (the split count, where the candidate rows start
 argument that Triton is told not to specialise on, so serving compiles the kernel once per
 model (head_dim, dtype, page size, bias tables) and never in the middle of a batch: the
 constexprs are exactly `kernel_constants(...)`, which the sm90 compile check
-(model/attention/kernel_compile.py) compiles ahead of time.
+(model/kernel_compile.py) compiles ahead of time.
 
 Everything the kernel reads comes in as device tensors and every grid size is a host int from
 the plan, so the launch has no host sync and is captured by a CUDA graph as is. Without CUDA the
