@@ -20,6 +20,7 @@ DEMO_PRESET ?= demo
 DEMO_REQUESTS ?=
 TRAIN_SECONDS ?= 150
 REPORT_DIR  ?= artifacts/gpu-report
+GPU_REPORT_ARGS ?=
 # A folder with wheels and setup.sh for a GPU machine that has a CUDA torch but cannot install packages
 # (docs/install.md, "The first GPU run"); empty: the venv.
 GPU_KIT     ?=
@@ -57,10 +58,10 @@ check-gpu-install: $(STAMP)
 # report (benchmark/gpu_report.py, under 20 minutes). DRY=1 runs every step's CPU part at tiny sizes.
 ifeq ($(GPU_KIT),)
 gpu-report: $(STAMP)
-	$(PY) benchmark/gpu_report.py --output $(REPORT_DIR) $(if $(DRY),--dry)
+	$(PY) benchmark/gpu_report.py --output $(REPORT_DIR) $(if $(DRY),--dry) $(GPU_REPORT_ARGS)
 else
 gpu-report:
-	bash -c 'source $(GPU_KIT)/setup.sh && python3 benchmark/gpu_report.py --output $(REPORT_DIR) $(if $(DRY),--dry)'
+	bash -c 'source $(GPU_KIT)/setup.sh && python3 benchmark/gpu_report.py --output $(REPORT_DIR) $(if $(DRY),--dry) $(GPU_REPORT_ARGS)'
 endif
 
 demo: $(STAMP)

@@ -15,7 +15,7 @@ from helpers import REPO_ROOT, subprocess_env
 
 def test_the_gpu_plan_measures_the_target_shapes_within_the_budget(tmp_path):
     steps = {s.name: s for s in gpu_report.plan_steps(tmp_path / "report", tmp_path / "work", dry=False)}
-    assert list(steps) == ["runtime", "tests", "block", "end2end"]
+    assert list(steps) == list(gpu_report.STEP_NAMES) == ["runtime", "tests", "block", "end2end"]
     assert sum(s.timeout_s for s in steps.values()) <= gpu_report.BUDGET_SECONDS - 60  # room to start and report
     block = " ".join(steps["block"].commands[0])
     for part in ("--device cuda", "--dtype bfloat16", "--cuda_graphs", "--batches 1 8 32", "--histories 4096",
@@ -49,3 +49,11 @@ def test_the_dry_run_executes_every_step_and_reports(tmp_path):
     # A few files, so that a runner returning at most eight files from a folder brings the whole report back.
     assert sorted(p.name for p in out.iterdir()) == ["block.json", "end2end.json", "end2end.png", "report.json",
                                                      "report.md"]
+
+
+def test_a_step_stops_at_its_scaled_limit_and_keeps_its_output(tmp_path):
+    """--budget scales every step's limit: a step past it is reported as timed out, with what it printed."""
+    step = gpu_report.Step("sleepy", "prints, then sleeps past its limit",
+                           [[sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"]], 100)
+    result = gpu_report.run_step(step, tmp_path, scale=0.02)  # 2 s of the planned 100
+    assert result.status == "timed out" and result.seconds < 15 and "started" in result.output_tail
