@@ -29,7 +29,7 @@ from kvcache import CacheVersion, KVCacheManager, KVCacheStaleError
 from kvcache.cache_version import NOTHING, Residence
 from model.cache_tag import window_tags
 from model.checkpoint import model_fingerprint as fingerprint_of
-from model.cuda_graphs import CUDAGraphs
+from model.cuda_graphs import CUDAGraphs, use_cuda_graphs
 from model.kv_store import KVStore, PagedKV
 from model.recommender import HSTURecommender
 from model.token_layout import VisitPlan
@@ -71,13 +71,15 @@ class InferenceSession:
         kv_cache: KVCacheManager | None = None,
         offload_between_visits: bool = True,
         model_fingerprint: str | None = None,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = False,
     ):
         """`model_fingerprint` (default: computed from the weights) goes into every cache tag,
         so K/V written by another model are never reused, in any tier. `cuda_graphs` runs each
-        forward as the replay of its bucket's CUDA graph (model/cuda_graphs.py; CUDA only)."""
+        forward as the replay of its bucket's CUDA graph (model/cuda_graphs.py; True: CUDA only;
+        None: wherever they can run, `use_cuda_graphs`)."""
         self.model = model.eval()
-        self.graphs = CUDAGraphs(model) if cuda_graphs else None
+        graphs = use_cuda_graphs(cuda_graphs, model.device, model.resolved_attention_backend())
+        self.graphs = CUDAGraphs(model) if graphs else None
         self.history = history
         self.dataset = history if isinstance(history, InferenceDataset) else None  # serve() replays its visits
         self.kv_cache = kv_cache
@@ -199,9 +201,17 @@ class InferenceSession:
     def _forward(self, batch: VisitBatch, kv: KVStore | None) -> torch.Tensor:
         if self.graphs is None:
             return self.model(batch, kv)
-        if self.kv_cache is not None:
-            self.kv_cache.wait_for_onloads()  # a replay reads the pool without asking k_cache()
         return self.graphs.run(self.model.prepare_inputs(batch, kv, bucketed=True), kv)
+
+    def _prepared(self, prefetch: Callable | None) -> None:
+        """Once a batch is prepared (its onloads issued), before its forward."""
+        if self.graphs is not None:
+            # A replay reads the pool without asking k_cache(), so its stream waits for every onload issued
+            # so far, on the device, here: before the next batch's prefetch issues its own, which the replay
+            # must not wait for (they overlap it).
+            self.kv_cache.wait_for_onloads()
+        if prefetch is not None:
+            prefetch()
 
     def _serve_cached(self, user_ids: np.ndarray, ends: np.ndarray, make_batch: BatchMaker, histories: UserHistories,
                       after_prepare):
@@ -211,7 +221,7 @@ class InferenceSession:
 
         served = serve_through_cache(
             self.model, self.kv_cache, user_ids, ends, make_batch, tags, forward=self._forward,
-            after_prepare=after_prepare,
+            after_prepare=lambda: self._prepared(after_prepare),
         )
         self.tag_mismatches += served.tag_mismatches
         return served

@@ -177,6 +177,8 @@ class Node:
             "max_batch_size": self.batcher.max_batch_size,
             "shared_tier": self.engine.config.redis_url is not None,
             "history": self.engine.store.description if self.engine.store is not None else "dataset (read-only)",
+            "cuda_graphs": self.engine.session.graphs is not None,
+            "warm_up": None if self.engine.warm_up_report is None else self.engine.warm_up_report.as_dict(),
         }
         return web.json_response(body, status=503 if self.draining else 200)
 
@@ -248,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync_offload", action="store_true", help="offload on the compute thread (default: a worker)")
     p.add_argument("--no_offload_each_visit", action="store_true",
                    help="keep K/V on the device between visits; offload on eviction and shutdown only")
+    p.add_argument("--cuda_graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each batch bucket's CUDA graph (default: on with --device cuda and the triton backend)")
     p.add_argument("--max_batch_size", type=int, default=8)
     p.add_argument("--max_wait_ms", type=float, default=2.0, help="the oldest request waits at most this for a batch")
     p.add_argument("--max_queue", type=int, default=256, help="requests queued before answering 503")
@@ -312,13 +316,15 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=args.redis_url,
         redis_capacity_bytes=args.redis_capacity_mb << 20, async_offload=not args.sync_offload,
         offload_each_visit=not args.no_offload_each_visit, max_candidates=args.max_candidates,
+        cuda_graphs=args.cuda_graphs,
     )
     try:
         engine = open_engine(config)
     except (FileNotFoundError, ValueError, HistoryUnavailableError) as err:
         log.error("cannot start: %s", err)
         return 2
-    engine.warm_up()
+    warmed = engine.warm_up()  # before the server listens: /health answers only once every variant is compiled
+    log.info("warmed %d attention variant(s) in %.1f s", len(warmed.variants), warmed.seconds)
     node = Node(engine, node_id, args.max_batch_size, args.max_wait_ms / 1000.0, args.max_queue, admin=args.admin,
                 max_events=args.max_events)
     if args.redis_url is not None:

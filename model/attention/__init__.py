@@ -11,9 +11,11 @@ from model.attention.base import (
     AttentionBatch,
     AttentionPlan,
     BatchAttention,
+    KernelVariant,
     KeyAddressing,
     attend,
     host_inputs,
+    recording_variants,
 )
 from model.attention.blocked_backend import BlockedAttention
 from model.attention.relative_bias import BiasInputs, RelativeAttentionBias
@@ -21,6 +23,6 @@ from model.attention.triton_backend import TritonAttention
 
 __all__ = [
     "AttentionBackend", "AttentionBatch", "AttentionPlan", "BatchAttention", "BiasInputs", "BlockedAttention",
-    "KeyAddressing", "RelativeAttentionBias", "TritonAttention", "attend", "host_inputs", "registry",
-    "triton_attention",
+    "KernelVariant", "KeyAddressing", "RelativeAttentionBias", "TritonAttention", "attend", "host_inputs",
+    "recording_variants", "registry", "triton_attention",
 ]

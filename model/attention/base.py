@@ -28,11 +28,13 @@ the events before it); a backend that cannot honour them says so (`supports_cand
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from data.jagged import offsets
@@ -122,6 +124,27 @@ class AttentionPlan:
         return self.batch.shape.history_rows
 
 
+@dataclass(frozen=True, order=True)
+class KernelVariant:
+    """What picks a compiled attention kernel: a backend compiles (at most) one per distinct value, and
+    the shapes of a batch are never part of it (tests/model/test_kernel_variants.py holds Triton to that).
+    A node warms every variant it can meet before it reports ready (model/warm_up.py)."""
+
+    backend: str
+    dtype: str  # the queries' (the model's compute dtype)
+    key_dtype: str  # the keys' (the KV cache's dtype when paged)
+    head_dim: int
+    page_size: int  # 0: contiguous keys (no cache)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"backend": self.backend, "dtype": self.dtype, "key_dtype": self.key_dtype,
+                "head_dim": self.head_dim, "page_size": self.page_size}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class AttentionBackend(ABC):
     """One implementation of batched HSTU attention."""
 
@@ -148,6 +171,12 @@ class AttentionBackend(ABC):
         """q/k/v [T, H, D] (the batch's rows), keys/values [R, H, D] (rows `addressing` indexes) ->
         [T, H, D] in q's dtype: SiLU(α q·k + rab) / N times V over each query's visible keys. Rows
         the plan does not cover (padding; history rows when `candidates_only`) are 0."""
+
+    def variant(self, plan: AttentionPlan, q: Tensor, keys: Tensor) -> KernelVariant:
+        """The compiled variant `attend` runs for this plan and these tensors. A backend whose kernels
+        specialise on more than this must override it (and widen what the node warms up)."""
+        return KernelVariant(self.name, _dtype_name(q.dtype), _dtype_name(keys.dtype), q.shape[-1],
+                             plan.batch.addressing.page_size)
 
     def check(self, batch: AttentionBatch) -> None:
         """Refuse a batch this backend cannot compute."""
@@ -187,5 +216,24 @@ def attend(
     the layer's relative bias over the positions in the plan and the times in `bias_inputs`."""
     if bias is not None and bias_inputs is None:
         raise ValueError("a relative bias needs the batch's BiasInputs")
+    if _variant_logs:  # a warm-up (or a test) is recording the variants forwards meet; empty when serving
+        met = attention.backend.variant(attention.plan, q, keys)
+        for log in _variant_logs:
+            log.add(met)
     return attention.backend.attend(q, k, v, keys, values, attention.plan, attention.arrays, candidates_only,
                                     alpha, normalizer, bias, bias_inputs)
+
+
+_variant_logs: list[set[KernelVariant]] = []
+
+
+@contextmanager
+def recording_variants() -> Iterator[set[KernelVariant]]:
+    """The kernel variants every `attend` meets inside the block (forwards run eagerly: a CUDA graph
+    replay calls no `attend`), collected into the yielded set."""
+    log: set[KernelVariant] = set()
+    _variant_logs.append(log)
+    try:
+        yield log
+    finally:
+        _variant_logs.remove(log)
