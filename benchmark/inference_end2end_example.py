@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         return refuse(parser, f"--cuda_graphs: {err}")
     # Every kernel variant both passes meet is compiled before either is timed (as a node does at start).
-    kernel_warm_up = warm_up(model, cache.config, graphs)
+    kernel_warm_up = warm_up(model, [cache.config, None], graphs)
     cached_session = InferenceSession(model, dataset, kv_cache=cache, model_fingerprint=fingerprint,
                                       cuda_graphs=graphs)
     if warmup:

@@ -2,20 +2,22 @@
 
 A Triton variant is compiled at its first launch (seconds), so a node that met one on a request would
 stall every request of that batch. The variants are bounded (one per backend, dtype, head_dim and key
-layout: `KernelVariant`, tests/model/test_kernel_variants.py): a node meets the contiguous layout
-(visits without a cache) and the paged layout of its cache's page size. The warm-up runs one short
-visit per layout through the same `InferenceSession` path serving takes (CUDA graphs included, which
-also warms their capture), on a private one-window cache, so the node's own cache, its host tiers and
-the locality index never see the warm-up's user. On CPU it is the same path: the blocked backend's
-first forwards (allocator, op dispatch) move out of the first request.
+layout: `KernelVariant`, tests/model/test_kernel_variants.py), and the caller names the ways it serves:
+through a cache of some layout (a node: its cache's), or without one (None: the replay's full
+recompute). The warm-up runs two short visits per way (one starts a window, one continues it) through
+the same `InferenceSession` path serving takes (CUDA graphs included, which also warms their capture),
+on a private one-window cache of the same layout, so the caller's own cache, its host tiers and the
+locality index never see the warm-up's user. On CPU it is the same path: the blocked backend's first
+forwards (allocator, op dispatch) move out of the first request.
 
-    report = warm_up(model, cache_config, cuda_graphs=False)
+    report = warm_up(model, [cache.config], cuda_graphs=False)   # a node
     report.as_dict()   # what GET /health shows under "warm_up"
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,19 +65,17 @@ def private_cache_config(config: KVCacheConfig, max_seq_len: int) -> KVCacheConf
     )
 
 
-def warm_up(model: HSTURecommender, cache_config: KVCacheConfig | None, cuda_graphs: bool) -> WarmUpReport:
-    """Score the warm-up visits without a cache and, with `cache_config`, through a private cache of its
-    layout; returns what was warmed. Raises what a forward raises: a node that cannot run its kernels
-    must not report ready."""
+def warm_up(model: HSTURecommender, serving: Sequence[KVCacheConfig | None], cuda_graphs: bool) -> WarmUpReport:
+    """Score the warm-up visits each way the caller serves (`serving`: through a cache of each config's
+    layout, or without a cache for None); returns what was warmed. Raises what a forward raises: a node
+    that cannot run its kernels must not report ready."""
     started = time.perf_counter()
     history = warm_up_history(model)
     visits = [[Visit(WARM_UP_USER, t + 2, np.array([0]))] for t in range(WARM_UP_EVENTS)]  # events before t + 2
-    caches = [None]
-    if cache_config is not None:
-        caches.append(KVCacheManager(private_cache_config(cache_config, model.config.max_seq_len)))
     forwards = 0
     with recording_variants() as met:
-        for cache in caches:
+        for config in serving:
+            cache = None if config is None else KVCacheManager(private_cache_config(config, model.config.max_seq_len))
             session = InferenceSession(model, history, kv_cache=cache, offload_between_visits=False,
                                        model_fingerprint="warm-up", cuda_graphs=cuda_graphs)
             try:

@@ -169,7 +169,7 @@ class ScoringEngine:
     def warm_up(self) -> WarmUpReport:
         """Run every attention kernel variant this node can meet (model/warm_up.py), so that no JIT compile
         lands on a request, the way this node serves (its CUDA graphs included); GET /health reports it."""
-        self.warm_up_report = warm_up(self.model, self.cache.config, cuda_graphs=self.session.graphs is not None)
+        self.warm_up_report = warm_up(self.model, [self.cache.config], cuda_graphs=self.session.graphs is not None)
         return self.warm_up_report
 
     def reset_cache(self) -> None:
