@@ -61,6 +61,11 @@ def weights_signature(model: nn.Module) -> tuple:
     return tuple((t.data_ptr(), t.dtype) for _, t in itertools.chain(model.named_parameters(), model.named_buffers()))
 
 
+def graph_key(inputs: ModelInputs, kv: KVStore) -> tuple:
+    """What one captured graph replays: the bucket's shapes, the layout of its one upload, the pool it writes."""
+    return inputs.features.shape, inputs.device_inputs.layout, kv.graph_key
+
+
 class GraphTable(Generic[Entry]):
     """Captured entries by key, valid while the model's weights stay where their captures read them."""
 
@@ -117,7 +122,7 @@ class CUDAGraphs:
             raise ValueError(f"CUDA graphs need an attention backend that captures in graphs, not {backend.name!r} "
                              "(the triton backend does: is triton installed?)")
         kv = kv if kv is not None else FullRecompute(inputs.attention.plan.batch.num_users)
-        key = (inputs.features.shape, inputs.device_inputs.layout, kv.graph_key)
+        key = graph_key(inputs, kv)
         entry = self._graphs.get(key)
         if entry is None:
             if not len(self._graphs):  # none yet, or all dropped: their pool goes with them
