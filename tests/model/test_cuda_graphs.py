@@ -2,6 +2,8 @@
 CPU in test_batch_shape.py)."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -115,14 +117,19 @@ def test_the_replay_waits_for_its_onloads_before_the_next_batchs_prefetch(tmp_pa
     cache = make_cache(cfg, num_pages=2048)
     graphed = InferenceSession(model, dataset, kv_cache=cache)
     graphed.graphs = EagerGraphs()
+    def spy(name: str):
+        real = getattr(cache, name)
+
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return call
+
     for name in ("prepare_kv_cache", "wait_for_onloads", "prefetch"):
-        def spy(*args, _name=name, _real=getattr(cache, name), **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
-        setattr(cache, name, spy)
+        setattr(cache, name, spy(name))
     eager = InferenceSession(model, dataset, kv_cache=make_cache(cfg, num_pages=2048))
     batches = list(dataset.batches(dataset.request_indices(max_requests=48), 8))
-    for batch, following in zip(batches, batches[1:]):
+    for batch, following in itertools.pairwise(batches):
         calls.clear()
         assert_logits_close(graphed.serve(batch, following).logits, eager.serve(batch, following).logits)
         assert calls == ["prepare_kv_cache", "wait_for_onloads", "prefetch", "replay"], calls
