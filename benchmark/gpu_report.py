@@ -8,6 +8,8 @@ GPU time is scarce, so the run is planned to fit in 20 minutes and to spend them
     runtime    tools/gpu_runtime_check.py (torch build, driver, CUDA, fbgemm-gpu, torchrec, triton)
     tests      the CUDA tests: the Triton kernels and the CUDA graph, onload and cache tests on the device
     block      the HSTU block, bf16, CUDA graphs, B = 1/8/32, history 4096 (3968 cached + 128 new) + 256 candidates
+    launches   kernel launches per batch at B = 1 and 8 (torch profiler), eager and graph replay, each
+               forward under torch.cuda.set_sync_debug_mode("error") (benchmark/launch_count.py)
     end2end    the end-to-end replay of synthetic KuaiRand visits, cached vs full recompute, bf16
 
 Every step runs in its own process under its own time limit, and a failed step does not stop the
@@ -30,7 +32,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGET_SECONDS = 20 * 60
-STEP_NAMES = ("runtime", "tests", "block", "end2end")
+STEP_NAMES = ("runtime", "tests", "block", "launches", "end2end")
 # The CUDA tests: the kernels and every test whose id names cuda (the device fixture's cuda runs, CUDA-only tests).
 KERNEL_TESTS = ("tests/model/test_triton_attention.py", "tests/kvcache/test_triton_append.py")
 # H100 targets (issue 22): cached block ms at each batch, history 4096 (3968 cached) + 256 candidates, bf16.
@@ -71,20 +73,26 @@ def plan_steps(out: Path, work: Path, dry: bool) -> list[Step]:
         block = ["--preset", "tiny", "--histories", "64", "--batches", "1", "2", "--new_tokens", "8",
                  "--candidates", "4", "--repeats", "1"]
         replay = ["--preset", "tiny", "--max_requests", "16", "--batch_size", "4"]
+        launches = ["--preset", "tiny", "--history", "64", "--new_tokens", "8", "--candidates", "4"]
         scale = "0.0005"
     else:
         tests_commands = [[*tests, *KERNEL_TESTS], [*tests, "tests", "-k", "cuda", "-m", "not slow"]]
         block = ["--preset", "kuairand-1k", "--histories", str(TARGET_HISTORY), "--batches", "1", "8", "32",
                  "--new_tokens", "128", "--candidates", "256", "--repeats", "20", "--cuda_graphs"]
         replay = ["--preset", "kuairand-1k", "--max_requests", "2000", "--batch_size", "8"]
+        launches = ["--preset", "kuairand-1k", "--history", str(TARGET_HISTORY), "--new_tokens", "128",
+                    "--candidates", "256"]
         scale = "0.005"
     return [
         Step("runtime", "tools/gpu_runtime_check.py: does this machine run the GPU path?",
              [[py, "tools/gpu_runtime_check.py"]], 60),
-        Step("tests", "the CUDA tests (kernels; every test id naming cuda)", tests_commands, 420),
+        Step("tests", "the CUDA tests (kernels; every test id naming cuda)", tests_commands, 400),
         Step("block", f"HSTU block benchmark ({dtype}{', CUDA graphs' if not dry else ''})",
              [[py, "benchmark/hstu_block_benchmark.py", "--device", device, "--dtype", dtype, *block,
                "--output", str(out / "block.json")]], 240, "block.json"),
+        Step("launches", f"kernel launches per batch, B=1/8, no host sync in the forward ({dtype})",
+             [[py, "benchmark/launch_count.py", "--device", device, "--dtype", dtype, *launches,
+               "--output", str(out / "launches.json")]], 80, "launches.json"),
         Step("end2end", f"end-to-end replay, cached vs full recompute ({dtype})",
              [[py, "-m", "data.synthetic", "--out", str(raw), "--scale", scale, "--seed", "7", "--no_progress"],
               [py, "preprocessor_inference.py", "--dataset_name", "kuairand-1k", "--data_dir", str(raw),
@@ -140,6 +148,14 @@ def figures(results: list[StepResult], dry: bool) -> list[dict]:
                          "met": None if target is None else row["cached_ms"] <= target})
             rows.append({"figure": f"block full-recompute ms, history {row['history']}, B={row['batch']}",
                          "value": round(row["full_ms"], 3), "target": None, "met": None})
+    launches = by_name.get("launches")
+    if launches and launches.result:
+        unit = launches.result["launch_unit"]
+        for row in launches.result["rows"]:
+            rows.append({"figure": f"{unit} per batch, {row['mode']}, B={row['batch']}", "value": row["launches"],
+                         "target": None, "met": None})
+        rows.append({"figure": "eager launches B=8 / B=1 (x)", "value": round(launches.result["eager_growth_1_to_8"], 2),
+                     "target": None if dry else "<= 1.3", "met": None if dry else launches.result["eager_growth_1_to_8"] <= 1.3})
     replay = by_name.get("end2end")
     if replay and replay.result and replay.result.get("speedup") is not None:
         speedup = replay.result["speedup"]

@@ -1,0 +1,145 @@
+"""Kernel launches per served batch, and no host sync in the forward or the graph replay.
+
+    python benchmark/launch_count.py --device cuda --dtype bfloat16 --output launches.json   # make gpu-report
+    python benchmark/launch_count.py --device cpu --preset tiny --history 64 --output launches.json   # dry
+
+For B = 1 and 8, users whose first H - --new_tokens tokens are cached score --candidates candidates:
+one batch (prepare, plan and upload, forward, rollback) runs eagerly and, on CUDA, as its bucket's
+CUDA graph replay. The forward and the replay run under `torch.cuda.set_sync_debug_mode("error")`:
+any op in them that makes the host wait for the device raises, and the script fails. The batch runs
+under the torch profiler, which counts its launches: on CUDA the host's kernel launch calls (cudaLaunch*
+and the driver's cuLaunchKernel*, which Triton uses) and graph launches, and the kernels the GPU ran;
+on CPU (the dry run) the CPU profiler's aten ops stand in for launches. A batch of 8 should cost
+about what a batch of 1 does: a launch count that grew with the batch would be per-user work.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvcache import KVCacheConfig, KVCacheManager
+from model.config import preset
+from model.cuda_graphs import CUDAGraphs
+from model.kv_store import PagedKV
+from model.recommender import HSTURecommender
+from workloads import visit_batches
+
+BATCHES = (1, 8)
+
+
+@dataclass(frozen=True)
+class LaunchRow:
+    batch: int
+    mode: str  # "eager" or "graph" (the bucket's CUDA graph replay)
+    launches: int  # CUDA: kernel and graph launch calls of the host; CPU: aten ops (the CPU profiler's stand-in)
+    device_kernels: int | None  # kernels the GPU ran (None off CUDA)
+    sync_checked: bool  # the forward ran under set_sync_debug_mode("error") (CUDA only)
+
+
+@contextmanager
+def no_host_syncs(device: torch.device) -> Iterator[None]:
+    """Every op inside that would make the host wait for the device raises (CUDA; nothing to check elsewhere)."""
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def count_launches(prof: profile, device: torch.device) -> tuple[int, int | None]:
+    """-> (launches, device kernels) of the profiled events."""
+    events = prof.events()
+    if device.type != "cuda":
+        return sum(e.name.startswith("aten::") for e in events), None
+    launches = sum(e.device_type == torch.autograd.DeviceType.CPU
+                   and ("LaunchKernel" in e.name or e.name == "cudaGraphLaunch") for e in events)
+    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+                  for e in events)
+    return launches, kernels
+
+
+def measure(model: HSTURecommender, batch: int, history: int, new: int, candidates: int,
+            graphs: CUDAGraphs | None) -> list[LaunchRow]:
+    cfg, device = model.config, model.device
+    cached = history - new
+    _, new_batch = visit_batches(cfg, batch, history, new, candidates)
+    manager = KVCacheManager(KVCacheConfig(
+        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
+        num_pages=batch * (math.ceil(history / cfg.page_size) + 1), dtype=model.dtype, device=device,
+        host_capacity_bytes=1 << 20,
+    ))
+    users = list(range(batch))
+    manager.commit(manager.prepare_kv_cache(users, [0] * batch, [cached] * batch))  # the cached prefix (zeros)
+    modes: list[tuple[str, Callable]] = [("eager", model.run)]
+    if graphs is not None:
+        modes.append(("graph", graphs.run))
+    def once(mode: str, forward: Callable, checked: bool) -> None:
+        meta = manager.prepare_kv_cache(users, [cached] * batch, [new] * batch)
+        kv = PagedKV(manager, meta)
+        inputs = model.prepare_inputs(new_batch, kv, bucketed=mode == "graph")
+        with no_host_syncs(device) if checked else nullcontext():
+            forward(inputs, kv)
+        manager.rollback(meta)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    rows = []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.inference_mode():
+        for mode, forward in modes:
+            once(mode, forward, checked=False)  # compiles the kernels and captures the graph, which synchronise
+            with profile(activities=activities) as prof:
+                once(mode, forward, checked=True)
+            rows.append(LaunchRow(batch, mode, *count_launches(prof, device), sync_checked=device.type == "cuda"))
+    manager.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="kuairand-1k")
+    p.add_argument("--history", type=int, default=4096)
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--candidates", type=int, default=256)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--output", default="launches.json")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available on this machine")
+    cfg = preset(args.preset, video_hash_size=1024, user_feature_cardinalities=())  # small tables, no prefix
+    if not 0 < args.new_tokens < args.history <= cfg.max_seq_len:
+        p.error(f"need 0 < --new_tokens < --history <= the preset's max_seq_len {cfg.max_seq_len}")
+    torch.manual_seed(0)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = HSTURecommender(cfg, device=device).to(dtype).eval()
+    graphs = CUDAGraphs(model) if device.type == "cuda" and model.resolved_attention_backend().captures_in_graphs else None
+    rows = [row for b in BATCHES for row in measure(model, b, args.history, args.new_tokens, args.candidates, graphs)]
+    eager = {r.batch: r.launches for r in rows if r.mode == "eager"}
+    result = {"preset": args.preset, "dtype": args.dtype, "device": str(device), "history": args.history,
+              "new_tokens": args.new_tokens, "candidates": args.candidates,
+              "launch_unit": "aten ops (CPU profiler)" if device.type != "cuda" else "kernel and graph launch calls",
+              "eager_growth_1_to_8": eager[8] / eager[1], "rows": [asdict(r) for r in rows]}
+    Path(args.output).write_text(json.dumps(result, indent=2))
+    for r in rows:
+        print(f"B={r.batch} {r.mode}: {r.launches} launches, {r.device_kernels} device kernels, "
+              f"sync-checked {r.sync_checked}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
