@@ -27,11 +27,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvcache import KVCacheConfig, KVCacheManager
-from model.config import preset
-from model.cuda_graphs import CUDAGraphs
+from model.cuda_graphs import CUDAGraphs, use_cuda_graphs
 from model.kv_store import PagedKV
 from model.recommender import HSTURecommender
-from workloads import visit_batches
+from workloads import add_model_flags, model_from_flags, visit_batches
 
 BATCHES = (1, 8)
 
@@ -110,24 +109,17 @@ def measure(model: HSTURecommender, batch: int, history: int, new: int, candidat
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="kuairand-1k")
+    add_model_flags(p)
     p.add_argument("--history", type=int, default=4096)
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--candidates", type=int, default=256)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--output", default="launches.json")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available on this machine")
-    cfg = preset(args.preset, video_hash_size=1024, user_feature_cardinalities=())  # small tables, no prefix
-    if not 0 < args.new_tokens < args.history <= cfg.max_seq_len:
-        p.error(f"need 0 < --new_tokens < --history <= the preset's max_seq_len {cfg.max_seq_len}")
-    torch.manual_seed(0)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = HSTURecommender(cfg, device=device).to(dtype).eval()
-    graphs = CUDAGraphs(model) if device.type == "cuda" and model.resolved_attention_backend().captures_in_graphs else None
+    model = model_from_flags(p, args)
+    device = model.device
+    if not 0 < args.new_tokens < args.history <= model.config.max_seq_len:
+        p.error(f"need 0 < --new_tokens < --history <= the preset's max_seq_len {model.config.max_seq_len}")
+    graphs = CUDAGraphs(model) if use_cuda_graphs(None, device, model.resolved_attention_backend()) else None
     rows = [row for b in BATCHES for row in measure(model, b, args.history, args.new_tokens, args.candidates, graphs)]
     eager = {r.batch: r.launches for r in rows if r.mode == "eager"}
     result = {"preset": args.preset, "dtype": args.dtype, "device": str(device), "history": args.history,
