@@ -9,14 +9,20 @@ layout. `TritonLaunches` records the variant keys of the attention kernel's laun
     with TritonLaunches() as launches:
         serve(...)
     launches.variants   # distinct specialisation keys
+
+and `launches_as_one_op(counter)` makes the CPU op-count proxy (model/op_counter.py) count each Triton
+launch as the one launch it is on a GPU.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from model.attention import triton_attention
+from model.op_counter import OpCounter
 
 
 def _no_specialisation(kernel) -> set[str]:
@@ -38,10 +44,31 @@ def specialisation(kernel, args: tuple, kwargs: dict) -> tuple:
     return (*key, *sorted((k, str(v)) for k, v in kwargs.items()))
 
 
+class _LaunchHook:
+    """Stands in for a module's Triton kernel while entered (launchers look their kernel up in the module at
+    every launch): each launch goes through `on_launch(kernel, args, kwargs, launch)`, which runs `launch()`."""
+
+    def __init__(self, module, attribute: str, on_launch: Callable) -> None:
+        self.module, self.attribute, self.on_launch = module, attribute, on_launch
+
+    def __enter__(self) -> _LaunchHook:
+        self.kernel = getattr(self.module, self.attribute)
+        setattr(self.module, self.attribute, self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.module, self.attribute, self.kernel)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            return self.on_launch(self.kernel, args, kwargs, lambda: self.kernel[grid](*args, **kwargs))
+
+        return launch
+
+
 @dataclass
 class TritonLaunches:
-    """Records the attention kernel's launches while entered (it stands in for the module's kernel, which
-    triton_hstu_attention looks up at every launch). Not reentrant; one thread launches meanwhile."""
+    """Records the attention kernel's launches while entered. Not reentrant; one thread launches meanwhile."""
 
     keys: list[tuple] = field(default_factory=list)  # one per launch, in order
     int_arguments: dict[str, set[int]] = field(default_factory=dict)  # the values each int argument took
@@ -51,21 +78,32 @@ class TritonLaunches:
         return set(self.keys)
 
     def __enter__(self) -> TritonLaunches:
-        self._kernel = triton_attention._hstu_attention_kernel
-        triton_attention._hstu_attention_kernel = self
+        self._hook = _LaunchHook(triton_attention, "_hstu_attention_kernel", self._record).__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        triton_attention._hstu_attention_kernel = self._kernel
+        self._hook.__exit__(*exc)
 
-    def __getitem__(self, grid):
-        kernel = self._kernel
+    def _record(self, kernel, args: tuple, kwargs: dict, launch: Callable):
+        self.keys.append(specialisation(kernel, args, kwargs))
+        for name, value in zip(kernel.arg_names, args):
+            if isinstance(value, int):
+                self.int_arguments.setdefault(name, set()).add(value)
+        return launch()
 
-        def launch(*args, **kwargs):
-            self.keys.append(specialisation(kernel, args, kwargs))
-            for name, value in zip(kernel.arg_names, args):
-                if isinstance(value, int):
-                    self.int_arguments.setdefault(name, set()).add(value)
-            return kernel[grid](*args, **kwargs)
 
-        return launch
+@contextmanager
+def launches_as_one_op(counter: OpCounter) -> Iterator[None]:
+    """Every Triton launch inside (attention and KV append) counts as one op of `counter`, as on a GPU,
+    instead of the ops Triton's CPU interpreter dispatches to emulate it."""
+    from kvcache import triton_append
+
+    def one_op(kernel, args, kwargs, launch):
+        with counter.one_op(f"triton::{kernel.fn.__name__}"):
+            return launch()
+
+    with ExitStack() as hooks:
+        for module, attribute in ((triton_attention, "_hstu_attention_kernel"), (triton_append, "_append_kernel")):
+            if hasattr(module, attribute):
+                hooks.enter_context(_LaunchHook(module, attribute, one_op))
+        yield
