@@ -81,13 +81,16 @@ def test_a_cuda_graphs_flag_that_cannot_be_honoured_is_refused(serving_artifacts
 
 
 def test_node_flags_default_cuda_graphs_to_the_device():
-    from serve.node import build_parser
+    from serve.node import build_parser, main
 
     parse = build_parser().parse_args
     base = ["--checkpoint", "c", "--port", "8001", "--data_dir", "d"]
     assert parse(base).cuda_graphs is None  # resolved by use_cuda_graphs: on for CUDA with triton
     assert parse([*base, "--cuda_graphs"]).cuda_graphs is True
     assert parse([*base, "--no-cuda_graphs"]).cuda_graphs is False
+    with pytest.raises(SystemExit) as refused:  # refused before the slow start
+        main([*base, "--cuda_graphs", "--device", "cpu"])
+    assert refused.value.code == 2
 
 
 def test_warm_up_visits_leave_the_node_cache_untouched(serving_artifacts):
