@@ -82,7 +82,7 @@ def test_graphs_are_dropped_when_the_weights_they_read_are_replaced():
 def test_batches_of_one_bucket_share_one_graph():
     from helpers import Visit, make_batch, random_candidates, random_histories, tiny_config
     from model.cuda_graphs import graph_key
-    from model.kv_store import FullRecompute
+    from model.kv_store import FullRecompute, PagedKV
 
     cfg = tiny_config()
     model = sensitive_model(cfg, 0)
@@ -97,6 +97,18 @@ def test_batches_of_one_bucket_share_one_graph():
     assert three == other_three  # other users, lengths and candidates: the same bucket, one graph
     assert key({0: 20}) != three  # one user: a smaller bucket
     assert key({u: 40 for u in range(8)}) != three  # more rows than the bucket holds
+
+    # Through a cache, the key names the cache whose pool the graph writes, without asking for its pages
+    # (that would make the replay's stream wait for the onloads of the next batch's prefetch).
+    cache = make_cache(cfg, num_pages=64)
+    batch = make_batch(histories, [Visit(0, 20, random_candidates(rng, 3))])
+    meta = cache.prepare_kv_cache([0], [0], [cfg.num_prefix_tokens + 20])
+    kv = PagedKV(cache, meta)
+    inputs = model.prepare_inputs(batch, kv, bucketed=True)
+    asked = []
+    cache.k_cache = cache.v_cache = lambda layer: asked.append(layer)
+    paged = graph_key(inputs, kv)
+    assert not asked and paged[-1] == ("paged", cache) and paged != key({0: 20})
 
 
 def test_the_replay_waits_for_its_onloads_before_the_next_batchs_prefetch(tmp_path):
