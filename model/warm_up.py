@@ -7,8 +7,9 @@ through a cache of some layout (a node: its cache's), or without one (None: the 
 recompute). The warm-up runs two short visits per way (one starts a window, one continues it) through
 the same `InferenceSession` path serving takes (CUDA graphs included, which also warms their capture),
 on a private one-window cache of the same layout, so the caller's own cache, its host tiers and the
-locality index never see the warm-up's user. On CPU it is the same path: the blocked backend's first
-forwards (allocator, op dispatch) move out of the first request.
+locality index never see the warm-up's user; the paged visits also compile the KV append kernel
+(kvcache/triton_append.py) for the cache's dtype. On CPU it is the same path: the blocked backend's
+first forwards (allocator, op dispatch) move out of the first request.
 
     report = warm_up(model, [cache.config], cuda_graphs=False)   # a node
     report.as_dict()   # what GET /health shows under "warm_up"
