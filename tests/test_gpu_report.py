@@ -63,3 +63,25 @@ def test_a_step_stops_at_its_scaled_limit_and_keeps_its_output(tmp_path):
                            [[sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"]], 100)
     result = gpu_report.run_step(step, tmp_path, scale=0.02)  # 2 s of the planned 100
     assert result.status == "timed out" and result.seconds < 15 and "started" in result.output_tail
+
+
+def test_a_host_sync_in_the_forward_is_named_and_the_launches_still_counted(monkeypatch):
+    """launch_count's path for a forward that synchronises (on CUDA, set_sync_debug_mode("error") raises):
+    simulated on CPU by a check that raises as CUDA's does around the forward."""
+    import argparse
+    from contextlib import contextmanager
+
+    import launch_count
+
+    from workloads import model_from_flags
+
+    @contextmanager
+    def raising(device):
+        raise RuntimeError("called a synchronizing CUDA operation\nmore")
+        yield
+
+    monkeypatch.setattr(launch_count, "no_host_syncs", raising)
+    model = model_from_flags(argparse.ArgumentParser(), argparse.Namespace(preset="tiny", dtype="float32", device="cpu"))
+    rows = [r for b in (1, 2) for r in launch_count.measure(model, b, 48, 8, 4, graphs=None)]
+    assert [r.host_sync for r in rows] == ["called a synchronizing CUDA operation"] * 2
+    assert all(r.launches > 0 for r in rows)  # counted unchecked; each batch rolled back, so the next prepared
