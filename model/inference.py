@@ -49,8 +49,6 @@ class VisitResult:
     caches: list[VisitCache]  # [B] each visit's plan: the tier its K/V came from, tokens reused / computed
 
 
-
-
 class HistorySource(Protocol):
     """Where a session reads users' histories: a history store (history/base.py), or a preprocessed
     dataset (`InferenceDataset`: every user's logged events, read-only)."""
