@@ -157,7 +157,7 @@ def test_graphs_with_async_offload_and_prefetch_equal_eager(tmp_path):
     model = sensitive_model(cfg, 0).to("cuda")
 
     def session(graphs: bool) -> InferenceSession:
-        cache = make_cache(cfg, num_pages=256, device="cuda", async_offload=True)
+        cache = make_cache(cfg, num_pages=512, device="cuda", async_offload=True)  # evicts: users come back from the host
         return InferenceSession(model, dataset, kv_cache=cache, cuda_graphs=graphs)
 
     eager, graphed = session(False), session(True)
