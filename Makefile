@@ -19,8 +19,13 @@ CHECKPOINT  := $(ARTIFACTS)/checkpoint
 DEMO_PRESET ?= demo
 DEMO_REQUESTS ?=
 TRAIN_SECONDS ?= 150
+REPORT_DIR  ?= artifacts/gpu-report
+GPU_REPORT_ARGS ?=
+# A folder with wheels and setup.sh for a GPU machine that has a CUDA torch but cannot install packages
+# (docs/install.md, "The first GPU run"); empty: the venv.
+GPU_KIT     ?=
 
-.PHONY: demo test venv clean check-gpu-install
+.PHONY: demo test venv clean check-gpu-install gpu-report
 
 venv: $(STAMP)
 
@@ -43,11 +48,24 @@ endif
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
-# Proves the CUDA set resolves, from PyPI's metadata only (no wheels are downloaded): pip's resolver in a dry run.
+# Proves the CUDA set resolves, from the index's metadata only (no wheels are downloaded): pip's resolver in a
+# dry run against pip's configured index (pip.conf, PIP_INDEX_URL: PyPI or its mirror). Find-links are cleared,
+# so a local `+cpu` wheel cannot stand in for torch, and a resolution to a CPU build fails the target.
 check-gpu-install: $(STAMP)
-	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(PY) -m pip install --dry-run --ignore-installed --no-cache-dir \
-		--index-url https://pypi.org/simple -c constraints.txt \
-		-r requirements.txt -r requirements-cuda.txt -r requirements-torchrec.txt 2>&1 | tail -n 1
+	@out="$$(PIP_FIND_LINKS= $(PY) -m pip install --dry-run --ignore-installed --no-cache-dir -c constraints.txt \
+		-r requirements.txt -r requirements-cuda.txt -r requirements-torchrec.txt 2>&1 | tail -n 1)"; echo "$$out"; \
+	case "$$out" in *+cpu*) echo "error: the CUDA set resolved to a CPU build of torch" >&2; exit 1;; \
+		"Would install"*) ;; *) exit 1;; esac
+
+# The first run on a GPU machine: runtime check, CUDA tests, block benchmark and end-to-end replay in one
+# report (benchmark/gpu_report.py, under 20 minutes). DRY=1 runs every step's CPU part at tiny sizes.
+ifeq ($(GPU_KIT),)
+gpu-report: $(STAMP)
+	$(PY) benchmark/gpu_report.py --output $(REPORT_DIR) $(if $(DRY),--dry) $(GPU_REPORT_ARGS)
+else
+gpu-report:
+	bash -c 'source $(GPU_KIT)/setup.sh && python3 benchmark/gpu_report.py --output $(REPORT_DIR) $(if $(DRY),--dry) $(GPU_REPORT_ARGS)'
+endif
 
 demo: $(STAMP)
 ifeq ($(DATA_DIR),)

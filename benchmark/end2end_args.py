@@ -173,6 +173,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="max |logit diff|, a finite number >= 0 (default 1e-4 fp32, 0.1 bf16)")
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default %(default)s)")
+    p.add_argument("--cuda_graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each batch bucket's CUDA graph (default: on with a CUDA device and the triton backend)")
     p.add_argument("--output", type=file_to_write, default="end2end.json", help="results JSON (default %(default)s)")
     p.add_argument("--plot", type=file_to_write, default=None, help="PNG path (default: --output with suffix .png)")
     p.add_argument("--seed", type=seed, default=0, help="seed of a random-init model, in [0, 2^63)")
@@ -194,6 +196,7 @@ FLAG_RULES = (
     FlagRule(lambda a: a.redis_url is None or a.kv_tier == "redis", "--redis_url is only used with --kv_tier redis"),
     FlagRule(lambda a: a.tier_capacity is None or a.kv_tier != "memory",
              "--tier_capacity is only used with --kv_tier disk or redis"),
+    FlagRule(lambda a: not a.cuda_graphs or torch.device(a.device).type == "cuda", "--cuda_graphs needs a CUDA --device"),
     FlagRule(lambda a: a.preset is None or a.checkpoint is None,
              "--preset is only used without --checkpoint (a checkpoint holds its model's configuration)"),
     FlagRule(lambda a: plot_path(a).resolve() != Path(a.output).resolve(),

@@ -34,11 +34,11 @@ from tqdm import tqdm
 
 from device_profile import OpCounts, gpu_busy_fraction, sync
 from kvcache import KVCacheConfig, KVCacheManager
-from model.config import HSTUConfig, preset
+from model.config import HSTUConfig
 from model.cuda_graphs import CUDAGraphs
 from model.kv_store import PagedKV
 from model.recommender import HSTURecommender
-from workloads import visit_batches
+from workloads import add_model_flags, model_from_flags, visit_batches
 
 
 @dataclass(frozen=True)
@@ -172,29 +172,22 @@ def bench_shape(model: HSTURecommender, history: int, batch: int, new: int, cand
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="kuairand-1k")
+    add_model_flags(p)
     p.add_argument("--histories", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--candidates", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--cuda_graphs", action="store_true", help="replay each bucket's CUDA graph (CUDA only)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--output", default="hstu_block_benchmark.json")
     args = p.parse_args(argv)
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available on this machine")
+    model = model_from_flags(p, args)
+    device = model.device
     if args.cuda_graphs and device.type != "cuda":
         p.error("--cuda_graphs needs --device cuda")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    cfg = preset(args.preset, video_hash_size=1024, user_feature_cardinalities=())  # small tables, no prefix
-    if max(args.histories) > cfg.max_seq_len:
-        p.error(f"history {max(args.histories)} exceeds the preset's max_seq_len {cfg.max_seq_len}")
-    torch.manual_seed(0)
-    model = HSTURecommender(cfg, device=device).to(dtype).eval()
+    if max(args.histories) > model.config.max_seq_len:
+        p.error(f"history {max(args.histories)} exceeds the preset's max_seq_len {model.config.max_seq_len}")
     graphs = CUDAGraphs(model) if args.cuda_graphs else None
     shapes = [(h, b) for b in args.batches for h in args.histories]
     rows = []

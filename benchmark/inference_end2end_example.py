@@ -28,10 +28,12 @@ from data.schema import TASKS
 from end2end_args import DTYPES, build_parser, parse_args, plot_path, refuse
 from kvcache import KVCacheConfig, KVCacheManager, PageLayout
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
+from model.cuda_graphs import use_cuda_graphs
 from model.inference import InferenceSession
 from model.recommender import HSTURecommender
 from model.replay import ReplayPass, compare, replay
 from model.train import config_for_dataset, date_to_ms
+from model.warm_up import warm_up
 from serving_cost import ServingCost, probe, probed_batches
 
 log = logging.getLogger("end2end")
@@ -184,7 +186,14 @@ def main(argv: list[str] | None = None) -> int:
              len(indices), len(np.unique(dataset.requests.user_id[indices])), len(batches),
              cache.config.num_pages, pages_needed)
 
-    cached_session = InferenceSession(model, dataset, kv_cache=cache, model_fingerprint=fingerprint)
+    try:
+        graphs = use_cuda_graphs(args.cuda_graphs, model.device, model.resolved_attention_backend())
+    except ValueError as err:
+        return refuse(parser, f"--cuda_graphs: {err}")
+    # Every kernel variant both passes meet is compiled before either is timed (as a node does at start).
+    kernel_warm_up = warm_up(model, [cache.config, None], graphs)
+    cached_session = InferenceSession(model, dataset, kv_cache=cache, model_fingerprint=fingerprint,
+                                      cuda_graphs=graphs)
     if warmup:
         replay(cached_session, warmup, "warm-up", progress=not args.quiet)
         cache.wait()
@@ -193,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     passes = [cached]
     full = None
     if not args.no_compare:
-        full = replay(InferenceSession(model, dataset), batches, "full recompute", progress=not args.quiet)
+        full = replay(InferenceSession(model, dataset, cuda_graphs=graphs), batches, "full recompute",
+                      progress=not args.quiet)
         passes.append(full)
 
     costs = {} if args.no_cost_probe else probe_costs(args, model, dataset, config, fingerprint, batches, from_ms)
@@ -205,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "device": str(model.device),
         "dtype": args.dtype,
+        "cuda_graphs": graphs,
+        "kernel_warm_up": kernel_warm_up.as_dict(),
         "model": model.config.to_dict(),
         "checkpoint": args.checkpoint,
         "seconds": {p.name: p.seconds for p in passes},

@@ -6,12 +6,35 @@ within the model's tables; timestamps are one minute apart; no contextual prefix
 """
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
+import torch
 
 from data.batch import VisitBatch
-from model.config import HSTUConfig
+from model.config import HSTUConfig, preset
+from model.recommender import HSTURecommender
 
 T0_MS = 1_649_376_000_000
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """--preset, --dtype and --device of a benchmark's model (`model_from_flags`)."""
+    p.add_argument("--preset", default="kuairand-1k")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def model_from_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> HSTURecommender:
+    """The preset's model with small embedding tables and no contextual prefix (lookups are a small part of
+    the cost, and the model then fits anywhere), seeded, in --dtype on --device, in eval mode."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available on this machine")
+    cfg = preset(args.preset, video_hash_size=1024, user_feature_cardinalities=())
+    torch.manual_seed(0)
+    return HSTURecommender(cfg, device=device).to(DTYPES[args.dtype]).eval()
 
 
 def visit_batches(config: HSTUConfig, batch: int, history: int, new: int, candidates: int, seed: int = 0

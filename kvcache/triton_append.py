@@ -16,6 +16,7 @@ except ImportError:
     triton = None
 
 BLOCK = 1024  # elements of a row per program
+NUM_WARPS = 4
 
 
 def available() -> bool:
@@ -47,4 +48,4 @@ def append_rows(k_cache: Tensor, v_cache: Tensor, new_k: Tensor, new_v: Tensor, 
     row_elems = heads * dim
     grid = (n, triton.cdiv(row_elems, BLOCK))
     _append_kernel[grid](k_cache, v_cache, new_k, new_v, slots, row_elems, new_k.stride(0), new_v.stride(0),
-                         BLOCK_E=BLOCK)
+                         BLOCK_E=BLOCK, num_warps=NUM_WARPS)

@@ -131,4 +131,7 @@ class PagedKV:
 
     @property
     def graph_key(self) -> tuple:
-        return ("paged", self._cache.k_cache(0).data_ptr(), self._cache.v_cache(0).data_ptr())  # the pool it writes
+        # The cache whose pool the graph writes (allocated once, it never moves), not its pages: asking for them
+        # would make the stream wait for every onload issued since this batch was prepared (the next batch's
+        # prefetch, which the replay must overlap).
+        return ("paged", self._cache)

@@ -12,6 +12,8 @@ count that grows with the batch size, and a `.item()` or a boolean mask as a syn
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -43,10 +45,23 @@ class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self._inside_one_op = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func._schema.name] += 1
+        if not self._inside_one_op:
+            self.counts[func._schema.name] += 1
         return func(*args, **(kwargs or {}))
+
+    @contextmanager
+    def one_op(self, name: str) -> Iterator[None]:
+        """Count what runs inside as the one op `name`: a kernel launcher is one launch on a GPU, whatever
+        its CPU emulation (Triton's interpreter) dispatches meanwhile."""
+        self.counts[name] += 1
+        self._inside_one_op += 1
+        try:
+            yield
+        finally:
+            self._inside_one_op -= 1
 
     @property
     def total(self) -> int:

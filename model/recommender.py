@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from data.batch import VisitBatch
 from model import attention
-from model.attention import BatchAttention, BiasInputs, plan_attention, triton_attention
+from model.attention import AttentionBackend, AttentionBatch, BatchAttention, BiasInputs, registry
 from model.batch_shape import BatchShape
 from model.config import NUM_ACTION_IDS, HSTUConfig
 from model.counter_features import CounterFeatures
@@ -42,7 +42,7 @@ class ModelInputs:
 
     @property
     def num_candidates(self) -> int:
-        return int(self.attention.plan.candidate_offsets[-1])
+        return int(self.attention.plan.batch.candidate_offsets[-1])
 
     def rebound(self, buffer: Tensor) -> ModelInputs:
         """The same batch reading its arrays from another buffer of the same layout (a graph's static inputs)."""
@@ -68,12 +68,9 @@ class HSTURecommender(nn.Module):
         self.user_taste = UserTaste(config, device=device) if config.user_hash_size else None
         self.counter_features = CounterFeatures(config, device=device) if config.counter_buckets else None
         self._staging: dict[torch.device, DeviceStaging] = {}
-        # "auto": the Triton kernel on CUDA (when triton imports), the blocked torch path elsewhere.
-        self.attention_backend = "auto"
-        # (query rows, key rows) per block of the blocked attention path; None = the plan's defaults
-        # (sized for serving long cached windows). Training uses smaller ones: its windows are short
-        # and its backward pays for every padded slot of a block.
-        self.attention_blocks: tuple[int, int] | None = None
+        # A backend name of model/attention/registry.py or a backend; "auto": the Triton kernel on CUDA
+        # (when triton imports), the blocked torch path elsewhere.
+        self.attention_backend: str | AttentionBackend = registry.AUTO
         self.to(device)
 
     @property
@@ -121,7 +118,7 @@ class HSTURecommender(nn.Module):
     def run_padded(self, inputs: ModelInputs, kv: KVStore | None = None) -> Tensor:
         """`run` over every candidate row of the batch's shape, padding included (what a CUDA graph
         captures: fixed shapes, no host work). -> [shape.candidate_rows, num_tasks] float32"""
-        kv = kv if kv is not None else FullRecompute(len(inputs.attention.plan.cached_lengths))
+        kv = kv if kv is not None else FullRecompute(inputs.attention.plan.batch.num_users)
         x = self.embedder(inputs.device_inputs, inputs.features).to(self.dtype)  # [T, d]
         query_times = inputs.device_inputs["query_times"]  # [T + 1]
         key_times = kv.key_times(query_times, inputs.attention.plan.num_history_rows, inputs.device_inputs)  # [R]
@@ -137,31 +134,18 @@ class HSTURecommender(nn.Module):
             logits = logits + self.counter_features(inputs.device_inputs).to(x.dtype)
         return logits.float()
 
-    def resolved_attention_backend(self) -> str:
-        if self.attention_backend != "auto":
-            return self.attention_backend
-        return "triton" if self.device.type == "cuda" and triton_attention.available() else "blocked"
+    def resolved_attention_backend(self) -> AttentionBackend:
+        """The attention backend `attention_backend` names for this model's config and device."""
+        return registry.resolve(self.attention_backend, self.config, self.device)
 
     def _plan_attention(self, spans: TokenSpans, batch: VisitBatch, kv: KVStore, shape: BatchShape, bucketed: bool):
-        backend = self.resolved_attention_backend()
         key_ends = None
         if batch.candidate_history_ends is not None:  # history targets: each sees the window up to its own event
             window_starts = np.repeat(batch.window_starts, batch.candidate_lengths)
             key_ends = self.layout.num_prefix + batch.candidate_history_ends - window_starts
-        if backend != "triton":
-            query_block, key_block = self.attention_blocks or (None, None)
-            return plan_attention(spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing,
-                                  shape, query_block=query_block, key_block=key_block, candidate_key_ends=key_ends)
-        page_size = kv.addressing.page_size
-        # A bucket's arrays have fixed lengths: its page table holds any window, its split depends on the bucket only.
-        page_capacity = shape.users * -(-self.config.max_seq_len // page_size) if bucketed and page_size else None
-        longest = self.config.max_seq_len if bucketed else int((kv.cached_lengths + spans.history_lengths).max(initial=1))
-        tiles = triton_attention.tile_capacity(shape.num_rows, shape.users)
-        splits = triton_attention.num_splits(tiles, self.config.num_heads, longest, self.device)
-        return plan_attention(
-            spans.history_lengths, batch.candidate_lengths, kv.cached_lengths, kv.addressing, shape,
-            backend="triton", page_capacity=page_capacity, splits=splits, candidate_key_ends=key_ends,
-        )
+        attention_batch = AttentionBatch.of(spans.history_lengths, batch.candidate_lengths, kv.cached_lengths,
+                                            kv.addressing, shape, bucketed, key_ends)
+        return self.resolved_attention_backend().plan(attention_batch)
 
     def _staging_for(self, device: torch.device) -> DeviceStaging:
         if device not in self._staging:

@@ -2,7 +2,7 @@
 
 Everything a forward needs on the device (sparse ids, token rows, attention extents, page
 tables, slots) is planned on the host with numpy. `DeviceStaging.upload` packs those arrays
-into one reusable pinned buffer (8-byte aligned segments), issues one non-blocking copy, and
+into one reusable pinned buffer (16-byte aligned segments), issues one non-blocking copy, and
 hands back typed views of the device copy. The host buffers are a small ring: a buffer is
 refilled only after the copy that last read it has finished (an event per buffer), so packing
 batch i+1 overlaps the copy and compute of batch i, and no pinned memory is allocated once
@@ -17,7 +17,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-_ALIGN = 8  # bytes: every segment can be viewed as int64 / float64
+# Bytes: every segment can be viewed as int64 / float64, and every one is 16-byte aligned. Triton
+# compiles a kernel variant per combination of its pointers' 16-divisibility: segments aligned by
+# whatever sizes the batch's earlier arrays had would compile new variants while serving.
+_ALIGN = 16
 _RING = 2
 
 
@@ -63,6 +66,15 @@ def _views(buffer: Tensor, layout: tuple[Segment, ...]) -> dict[str, Tensor]:
     return out
 
 
+def pack_layout(arrays: Mapping[str, np.ndarray]) -> tuple[tuple[Segment, ...], int]:
+    """Where each array sits in the packed buffer, in order, each at an _ALIGN-aligned offset -> (layout, bytes)."""
+    layout, total = [], 0
+    for name, a in arrays.items():
+        layout.append(Segment(name, total, _TORCH_DTYPES[a.dtype.str], a.shape))
+        total += _aligned(a.nbytes)
+    return tuple(layout), total
+
+
 class DeviceStaging:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -76,12 +88,8 @@ class DeviceStaging:
         if self.device.type == "cpu":
             tensors = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
             return DeviceArrays(tensors, None, ())
-        layout, packed_arrays, total = [], [], 0
-        for name, a in arrays.items():
-            a = np.ascontiguousarray(a)
-            layout.append(Segment(name, total, _TORCH_DTYPES[a.dtype.str], a.shape))
-            packed_arrays.append(a)
-            total += _aligned(a.nbytes)
+        packed_arrays = [np.ascontiguousarray(a) for a in arrays.values()]
+        layout, total = pack_layout(dict(zip(arrays, packed_arrays)))
         slot = self._next
         self._next = (slot + 1) % _RING
         host = self._host_buffer(slot, max(total, _ALIGN))
@@ -92,7 +100,6 @@ class DeviceStaging:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self._copied[slot] = event
-        layout = tuple(layout)
         return DeviceArrays(_views(device, layout), device, layout)
 
     def _host_buffer(self, slot: int, nbytes: int) -> Tensor:

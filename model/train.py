@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from data.dataset import InferenceDataset
 from data.schema import TASKS
+from model.attention import BlockedAttention
 from model.checkpoint import save_checkpoint
 from model.config import PRESET_NAMES, HSTUConfig, preset
 from model.evaluation import EarlyStopping, score_requests, window_batch
@@ -40,9 +41,9 @@ from model.recommender import HSTURecommender, ModelInputs
 log = logging.getLogger(__name__)
 BEIJING = dt.timezone(dt.timedelta(hours=8))
 DEFAULT_SPLIT_DATE = 20220422  # first day of the second standard log
-# (query rows, key rows) of the blocked attention while training: cropped windows are short, and
-# the backward pays for every padded slot of a block, so blocks smaller than serving's pay off.
-TRAINING_ATTENTION_BLOCKS = (128, 128)
+# The blocked attention while training, with 128 query rows x 128 keys per block: cropped windows are
+# short, and the backward pays for every padded slot of a block, so blocks smaller than serving's pay off.
+TRAINING_ATTENTION = BlockedAttention(query_block=128, key_block=128)
 
 
 @dataclass(frozen=True)
@@ -236,9 +237,8 @@ def train(
     if model is None:
         config = config_for_dataset(params.preset, dataset).replace(dropout=params.dropout)
         model = HSTURecommender(config, device=params.device)
-    model.attention_blocks = TRAINING_ATTENTION_BLOCKS
     # The blocked torch path: the Triton kernel computes forwards only (it has no backward).
-    serving_backend, model.attention_backend = model.attention_backend, "blocked"
+    serving_backend, model.attention_backend = model.attention_backend, TRAINING_ATTENTION
     started = time.perf_counter()
     train_idx, holdout_idx = split_requests(dataset, params)
     optimizers, dense_params = _optimizers(model, params)
@@ -281,9 +281,9 @@ def train(
                 out_of_time = True
                 break
         bar.close()
-        model.attention_blocks = None  # the holdout is scored exactly as serving scores it
+        model.attention_backend = "blocked"  # the holdout is scored exactly as serving on CPU scores it
         holdout = score_requests(model, dataset, holdout_idx, params.batch_size, desc="holdout")
-        model.attention_blocks = TRAINING_ATTENTION_BLOCKS
+        model.attention_backend = TRAINING_ATTENTION
         holdout_loss = holdout.mean_bce()
         auc = per_task_auc(holdout.logits, holdout.labels, TASKS)
         epochs.append(EpochReport(epoch + 1, step, loss_ema, holdout_loss, auc, time.perf_counter() - epoch_started))
@@ -296,7 +296,7 @@ def train(
     stopper.restore_best(model)
     for table in _sparse_tables(model):
         table.sparse = False
-    model.attention_blocks, model.attention_backend = None, serving_backend
+    model.attention_backend = serving_backend
     model = model.eval()
     best = next(e for e in epochs if e.epoch == stopper.best_epoch)
     report = TrainReport(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.dataset import InferenceDataset
-from data.user_histories import EventArrays, UserHistories
+from data.user_histories import UserHistories
 from history.base import HistoryStore, HistoryUnavailableError
 from history.registry import open_history_store
 from kvcache import (
@@ -40,6 +40,7 @@ from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
 from model.inference import HistorySource, InferenceSession
 from model.recommender import HSTURecommender
 from model.visit import Visit, VisitCache
+from model.warm_up import WarmUpReport, warm_up
 from serve.protocol import RequestError, ScoreQuery, unprocessable
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class EngineConfig:
     async_offload: bool = True
     offload_each_visit: bool = True  # write each visit's K/V through to the host tiers (and Redis)
     max_candidates: int = 512
+    cuda_graphs: bool | None = None  # serve through CUDA graphs; None: on CUDA (model/cuda_graphs.use_cuda_graphs)
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,9 @@ class ScoringEngine:
         self.locations = locations
         self.session = InferenceSession(
             model, history, kv_cache=cache, model_fingerprint=self.fingerprint,
-            offload_between_visits=config.offload_each_visit,
+            offload_between_visits=config.offload_each_visit, cuda_graphs=config.cuda_graphs,
         )
+        self.warm_up_report: WarmUpReport | None = None  # set by warm_up(), before the node reports ready
 
     # ------------------------------------------------------------------ checks (event loop thread)
     def validate(self, query: ScoreQuery) -> None:
@@ -186,12 +189,11 @@ class ScoringEngine:
         ]
 
     # ------------------------------------------------------------------ lifecycle
-    def warm_up(self) -> None:
-        """One forward without the cache over a one-event history (first calls into torch are slow)."""
-        features = np.zeros((1, len(self.model.config.user_feature_cardinalities)), dtype=np.int64)
-        one = np.ones(1, dtype=np.int64)
-        events = EventArrays(np.zeros(1, np.int64), np.array([0, 1]), one, one, one, features)
-        InferenceSession(self.model, UserHistories(events, "warm-up")).score([Visit(0, 2, np.array([0]))])
+    def warm_up(self) -> WarmUpReport:
+        """Run every attention kernel variant this node can meet (model/warm_up.py), so that no JIT compile
+        lands on a request, the way this node serves (its CUDA graphs included); GET /health reports it."""
+        self.warm_up_report = warm_up(self.model, [self.cache.config], cuda_graphs=self.session.graphs is not None)
+        return self.warm_up_report
 
     def reset_cache(self) -> None:
         """Forget every user's K/V in every tier, the shared one included (a benchmark's fresh start)."""
@@ -252,5 +254,10 @@ def open_engine(config: EngineConfig) -> ScoringEngine:
     except BaseException:
         storage.close()
         raise
-    return ScoringEngine(model, history, cache, storage, locations, config, fingerprint)
+    try:
+        return ScoringEngine(model, history, cache, storage, locations, config, fingerprint)
+    except BaseException:  # e.g. cuda_graphs asked for where they cannot run
+        cache.close()
+        storage.close()
+        raise
 

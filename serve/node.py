@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
+from serve import node_args
 from serve.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
 from serve.http_app import serve_until_signal
 from serve.ingest import Ingestor, append_result_json
@@ -177,6 +178,8 @@ class Node:
             "max_batch_size": self.batcher.max_batch_size,
             "shared_tier": self.engine.config.redis_url is not None,
             "history": self.engine.store.description if self.engine.store is not None else "dataset (read-only)",
+            "cuda_graphs": self.engine.session.graphs is not None,
+            "warm_up": None if self.engine.warm_up_report is None else self.engine.warm_up_report.as_dict(),
         }
         return web.json_response(body, status=503 if self.draining else 200)
 
@@ -230,36 +233,7 @@ async def _read_body(request: web.Request) -> bytes:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--history_store", default=None,
-                   help="history store URL: sqlite:///path (this machine) or redis://host:port/db (shared); "
-                        "fill it with python -m history.bootstrap")
-    p.add_argument("--data_dir", default=None, help="without --history_store: a preprocessed dataset served read-only")
-    p.add_argument("--checkpoint", required=True, help="model checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--node_id", default=None, help="id in the locality index (default HOST:PORT)")
-    p.add_argument("--redis_url", default=None, help="shared KV tier and locality index (default: none, a lone node)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--kv_pages", type=int, default=1024, help="device pool pages")
-    p.add_argument("--page_size", type=int, default=None, help="tokens per page (default: the model's)")
-    p.add_argument("--host_capacity_mb", type=int, default=1024, help="host-memory tier capacity")
-    p.add_argument("--redis_capacity_mb", type=int, default=8192, help="shared tier capacity (for this model)")
-    p.add_argument("--sync_offload", action="store_true", help="offload on the compute thread (default: a worker)")
-    p.add_argument("--no_offload_each_visit", action="store_true",
-                   help="keep K/V on the device between visits; offload on eviction and shutdown only")
-    p.add_argument("--max_batch_size", type=int, default=8)
-    p.add_argument("--max_wait_ms", type=float, default=2.0, help="the oldest request waits at most this for a batch")
-    p.add_argument("--max_queue", type=int, default=256, help="requests queued before answering 503")
-    p.add_argument("--max_candidates", type=int, default=512)
-    p.add_argument("--max_events", type=int, default=DEFAULT_MAX_EVENTS, help="events per POST /events or /score")
-    p.add_argument("--torch_threads", type=int, default=1)
-    p.add_argument("--heartbeat_s", type=float, default=1.0)
-    p.add_argument("--index_ttl_s", type=float, default=3.0,
-                   help="a node's index entries expire this long after its last heartbeat")
-    p.add_argument("--admin", action="store_true", help="serve POST /admin/reset_cache (benchmarks only)")
-    p.add_argument("--log_level", default="INFO")
-    return p
+    return node_args.build_parser(__doc__)
 
 
 def index_publisher(args: argparse.Namespace, engine, node: Node):
@@ -277,26 +251,10 @@ def index_publisher(args: argparse.Namespace, engine, node: Node):
     return publisher
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse impossible settings before the slow start (argparse-style: exit 2 with one message)."""
-    positive = ("max_batch_size", "max_queue", "max_candidates", "torch_threads", "kv_pages", "host_capacity_mb", "max_events")
-    if (args.history_store is None) == (args.data_dir is None):
-        parser.error("give exactly one of --history_store (live events) and --data_dir (a fixed dataset)")
-    for name in positive:
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if not 0 < args.port < 65536:
-        parser.error(f"--port must be in [1, 65535], got {args.port}")
-    if args.max_wait_ms < 0:
-        parser.error(f"--max_wait_ms must be >= 0, got {args.max_wait_ms}")
-    if not 0 < args.heartbeat_s < args.index_ttl_s:
-        parser.error(f"need 0 < --heartbeat_s < --index_ttl_s, got {args.heartbeat_s} and {args.index_ttl_s}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_args(parser, args)
+    node_args.check_args(parser, args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("serve").setLevel(args.log_level)
     import torch  # after parsing: --help answers without the heavy imports
@@ -312,13 +270,15 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=args.redis_url,
         redis_capacity_bytes=args.redis_capacity_mb << 20, async_offload=not args.sync_offload,
         offload_each_visit=not args.no_offload_each_visit, max_candidates=args.max_candidates,
+        cuda_graphs=args.cuda_graphs,
     )
     try:
         engine = open_engine(config)
     except (FileNotFoundError, ValueError, HistoryUnavailableError) as err:
         log.error("cannot start: %s", err)
         return 2
-    engine.warm_up()
+    warmed = engine.warm_up()  # before the server listens: /health answers only once every variant is compiled
+    log.info("warmed %d attention variant(s) in %.1f s", len(warmed.variants), warmed.seconds)
     node = Node(engine, node_id, args.max_batch_size, args.max_wait_ms / 1000.0, args.max_queue, admin=args.admin,
                 max_events=args.max_events)
     if args.redis_url is not None:

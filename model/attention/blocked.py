@@ -1,6 +1,6 @@
 """HSTU attention for a whole batch in a fixed number of torch ops: the CPU path and the reference.
 
-It walks the (query block, key block) pairs of a `BlockSchedule` (model/attention/plan.py) in
+It walks the (query block, key block) pairs of a `BlockSchedule` (model/attention/blocked_schedule.py) in
 chunks: gather the blocks' queries and keys, score, mask, multiply by the values, and add each
 block's output into its query rows. The op count depends on the number of chunks (the batch's
 total work), never on the number of users, and nothing is read back from the device.

@@ -23,6 +23,12 @@ partial outputs simply add: with few users (batch 1) this keeps every SM busy. P
 to an fp32 buffer [splits, T, H, D] summed afterwards in one op, so results do not depend on
 the order programs finish in (no atomics).
 
+What varies from batch to batch (the split count, where the candidate rows start) is a runtime
+argument that Triton is told not to specialise on, so serving compiles the kernel once per
+model (head_dim, dtype, page size, bias tables) and never in the middle of a batch: the
+constexprs are exactly `kernel_constants(...)`, which the sm90 compile check
+(model/kernel_compile.py) compiles ahead of time.
+
 Everything the kernel reads comes in as device tensors and every grid size is a host int from
 the plan, so the launch has no host sync and is captured by a CUDA graph as is. Without CUDA the
 tests run the kernel on CPU through Triton's interpreter (TRITON_INTERPRET=1, set by
@@ -32,6 +38,8 @@ time whether it compiles or interprets).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -76,23 +84,21 @@ def tile_schedule(query_lengths: np.ndarray, first_row: np.ndarray, capacity: in
             np.pad(starts, (0, pad)).astype(np.int32))
 
 
+def allowed_splits() -> tuple[int, ...]:
+    """Every split count `split_count` may choose."""
+    return tuple(1 << i for i in range(MAX_SPLITS.bit_length()))
+
+
 def tile_capacity(num_rows: int, num_users: int) -> int:
     """Most query tiles a batch of these row and user capacities can need."""
     return -(-num_rows // BLOCK_M) + num_users
 
 
-def num_splits(num_tiles: int, num_heads: int, max_keys: int, device: torch.device) -> int:
-    """Key splits that keep ~TARGET_PROGRAMS_PER_SM programs per SM (1 off CUDA)."""
-    if device.type != "cuda":
-        return 1
-    return split_count(num_tiles, num_heads, max_keys, torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def split_count(num_tiles: int, num_heads: int, max_keys: int, num_sms: int) -> int:
     """A power of two in [1, MAX_SPLITS]: the programs' wish rounded up, then held to the key blocks.
 
-    NUM_SPLITS is a kernel constexpr, so every distinct value is a compile (seconds each, mid-serving);
-    powers of two bound them to log2(MAX_SPLITS) + 1 per shape, all of which a node can warm up.
+    The split count is a runtime argument of the kernel (no compile per value); powers of two keep the
+    grid's third dimension to log2(MAX_SPLITS) + 1 sizes, and the partial-sum buffer to as many shapes.
     """
     wanted = -(-TARGET_PROGRAMS_PER_SM * num_sms // max(1, num_tiles * num_heads))
     limit = max(1, min(MAX_SPLITS, -(-max_keys // BLOCK_N)))
@@ -119,17 +125,19 @@ if triton is not None:
         logarithmic = mantissa_bits.to(tl.int64) - OFFSET
         return tl.minimum(tl.where(d < EXACT, d, logarithmic), NUM_BUCKETS - 1)
 
-    @triton.jit
+    # num_splits and history_rows change from batch to batch: specialising on them (Triton does for ints
+    # equal to 1 or divisible by 16) would compile new variants while serving.
+    @triton.jit(do_not_specialize=["num_splits", "history_rows"])
     def _hstu_attention_kernel(
         Q, K, V, KEYS, VALUES, OUT,
         history_offsets, candidate_offsets, cached_lengths, page_indptr, page_indices, tile_users, tile_rows,
         QUERY_TIMES, KEY_TIMES, POSITION_BIAS, TIME_BIAS,
-        history_rows, alpha, inv_normalizer,
+        history_rows, num_splits, alpha, inv_normalizer,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_keys_t, stride_keys_h, stride_values_t, stride_values_h,
         stride_os, stride_ot, stride_oh,
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         POSITION_BUCKETS: tl.constexpr, TIME_BUCKETS: tl.constexpr,
     ):
         tile, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -159,7 +167,7 @@ if triton is not None:
         last = tl.minimum(row0 + BM, n + m) - 1
         tile_keys = tl.where(last < n, c + last + 1, window)
         blocks = tl.cdiv(tile_keys, BN)
-        per_split = tl.cdiv(blocks, NUM_SPLITS)
+        per_split = tl.cdiv(blocks, num_splits)
         first_block = split * per_split
         last_block = tl.minimum(blocks, first_block + per_split)
 
@@ -213,7 +221,33 @@ if triton is not None:
             acc += self_score[:, None] * v_own
 
         out = OUT + split * stride_os + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
-        tl.store(out, (acc * inv_normalizer).to(OUT.dtype.element_ty), mask=valid_row[:, None])
+        tl.store(out, acc * inv_normalizer, mask=valid_row[:, None])
+
+
+@dataclass(frozen=True)
+class KernelConstants:
+    """The kernel's compile-time constants: one compiled variant per distinct value."""
+
+    page_size: int  # 0: contiguous keys
+    head_dim: int
+    precision: str  # tl.dot's input precision: "ieee" (fp32 parity needs full-precision dots) or "tf32"
+    upcast: bool  # dots in fp32 from bf16/fp16 inputs (Triton's interpreter has no bf16/fp16 dot)
+    position_buckets: int  # 0: no position bias
+    time_buckets: int  # 0: no time bias
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def constexprs(self) -> dict[str, object]:
+        return dict(PAGE_SIZE=self.page_size, HEAD_DIM=self.head_dim, BM=BLOCK_M, BN=BLOCK_N,
+                    PRECISION=self.precision, UPCAST=self.upcast,
+                    POSITION_BUCKETS=self.position_buckets, TIME_BUCKETS=self.time_buckets)
+
+
+def kernel_constants(page_size: int, head_dim: int, dtype: torch.dtype, position_buckets: int, time_buckets: int,
+                     interpreted: bool = _INTERPRETED) -> KernelConstants:
+    """The constants a launch with these inputs compiles (`interpreted`: under TRITON_INTERPRET)."""
+    return KernelConstants(page_size, head_dim, "ieee" if dtype == torch.float32 else "tf32",
+                           interpreted and dtype != torch.float32, position_buckets, time_buckets)
 
 
 def triton_hstu_attention(
@@ -222,8 +256,8 @@ def triton_hstu_attention(
     v: Tensor,
     keys: Tensor,  # [R, H, D] the page pool's rows (paged) or k itself (contiguous)
     values: Tensor,
-    arrays: dict[str, Tensor],  # int32: history_offsets, candidate_offsets, cached_lengths, page_indptr,
-    #                             page_indices, tile_users, tile_rows
+    arrays: Mapping[str, Tensor],  # int32: history_offsets, candidate_offsets, cached_lengths, page_indptr,
+    #                                page_indices, tile_users, tile_rows
     history_rows: int,  # candidate rows start here
     page_size: int,  # 0: contiguous keys
     splits: int,
@@ -242,24 +276,20 @@ def triton_hstu_attention(
     time_bias = bias.time.float().contiguous() if time_buckets else q
     query_times = bias_inputs.query_times if time_buckets else arrays["tile_rows"]
     key_times = bias_inputs.key_times if time_buckets else arrays["tile_rows"]
-    if splits > 1:
-        out = torch.zeros((splits, T, H, D), dtype=torch.float32, device=q.device)
-    else:
-        out = torch.zeros((1, T, H, D), dtype=q.dtype, device=q.device)
+    # Partial sums [splits, T, H, D] in fp32 whatever the split count: one output type, so one compiled
+    # variant serves every split (bf16 at one split pays a cast of the output, not a compile).
+    out = torch.zeros((splits, T, H, D), dtype=torch.float32, device=q.device)
+    constants = kernel_constants(page_size, D, q.dtype, position_buckets, time_buckets)
     if tiles:
         _hstu_attention_kernel[(tiles, H, splits)](
             q, k, v, keys, values, out,
             arrays["history_offsets"], arrays["candidate_offsets"], arrays["cached_lengths"],
             arrays["page_indptr"], arrays["page_indices"], arrays["tile_users"], arrays["tile_rows"],
             query_times, key_times, position_bias, time_bias,
-            history_rows, alpha, 1.0 / normalizer,
+            history_rows, splits, alpha, 1.0 / normalizer,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
-            PAGE_SIZE=page_size, HEAD_DIM=D, BM=BLOCK_M, BN=BLOCK_N, NUM_SPLITS=splits,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 parity needs full-precision dots
-            UPCAST=_INTERPRETED and q.dtype != torch.float32,  # Triton's interpreter has no bf16/fp16 dot
-            POSITION_BUCKETS=position_buckets, TIME_BUCKETS=time_buckets,
-            num_warps=4, num_stages=2,
+            **constants.constexprs(), num_warps=constants.num_warps, num_stages=constants.num_stages,
         )
-    return out.sum(0).to(q.dtype) if splits > 1 else out[0]
+    return (out.sum(0) if splits > 1 else out[0]).to(q.dtype)

@@ -45,6 +45,10 @@ def test_cached_and_full_recompute_agree_end_to_end(pipeline, tmp_path):
     for key in ("num_requests", "speedup", "max_abs_logit_diff", "auc", "latency_ms", "tokens_computed", "cache"):
         assert key in result, key
     assert result["num_requests"] == 60
+    # Both passes' kernel variants were run before either was timed: the cache's page size and contiguous keys.
+    assert result["cuda_graphs"] is False  # the default on CPU
+    warmed = result["kernel_warm_up"]
+    assert sorted(v["page_size"] for v in warmed["variants"]) == [0, result["cache_config"]["page_size"]]
     assert result["parity"] == "pass" and result["max_abs_logit_diff"] <= 1e-4
     for task, value in result["auc"]["kv cache"].items():
         other = result["auc"]["full recompute"][task]

@@ -92,6 +92,7 @@ PARSE_REFUSALS = {
     "output under a file": (["--output", "{file}/r.json"], ["argument --output", "is not a directory"]),
     "plot under a file": (["--plot", "{file}/r.png"], ["argument --plot", "is not a directory"]),
     "plot is the output": (["--output", "{tmp}/r.png"], ["--plot and --output name the same file"]),
+    "cuda graphs on cpu": (["--device", "cpu", "--cuda_graphs"], ["--cuda_graphs needs a CUDA --device"]),
 }
 
 

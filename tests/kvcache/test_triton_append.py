@@ -44,3 +44,29 @@ def test_the_cuda_op_is_the_kernel():
     slots = torch.tensor([5, 0, 9], device="cuda")
     paged_kvcache_ops.append_kvcache(cache[0], cache[1], new, new, slots)
     assert torch.equal(cache[0].view(-1, 2, 8)[slots], new)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, dim", [(8, 160), (3, 400), (1, 1031), (4, 128)])
+def test_wide_and_odd_rows_with_duplicate_padding_slots(dtype, heads, dim):
+    """Rows wider than one program's BLOCK elements (and not a multiple of it) go to their slots whole; the
+    padding rows of a bucketed batch all write the sink slot, which ends up holding, element by element,
+    one of them, and no other slot is touched."""
+    g = torch.Generator().manual_seed(heads * dim)
+    pages, page_size, real, padding = 6, 32, 9, 5
+    cache = torch.randn(2, pages, page_size, heads, dim, generator=g).to(dtype).to(DEVICE)
+    expected = cache.clone()
+    sink = pages * page_size - 1
+    real_slots = torch.randperm(sink, generator=g)[:real]
+    slots = torch.cat([real_slots, torch.full((padding,), sink)]).to(DEVICE)
+    wide = torch.randn(real + padding, 3 * heads * dim + 7, generator=g).to(dtype).to(DEVICE)  # odd row stride
+    new_k = wide[:, : heads * dim].reshape(-1, heads, dim)
+    new_v = wide[:, heads * dim : 2 * heads * dim].reshape(-1, heads, dim)
+    triton_append.append_rows(cache[0], cache[1], new_k, new_v, slots)
+    for layer, new in ((0, new_k), (1, new_v)):
+        rows, want = cache[layer].view(-1, heads, dim), expected[layer].view(-1, heads, dim)
+        want.index_copy_(0, slots[:real], new[:real])
+        untouched = torch.ones(len(rows), dtype=torch.bool)
+        untouched[sink] = False
+        assert torch.equal(rows[untouched.to(DEVICE)], want[untouched.to(DEVICE)])
+        assert ((rows[sink][None] == new[real:]).any(0)).all()  # every element from some padding row

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helpers import paged_attention_case
-from model.attention import BatchAttention, attend, host_inputs
-from model.attention.plan import QUERY_BLOCKS, KeyAddressing, plan_attention, query_block_for
+from model.attention import AttentionBatch, BatchAttention, BlockedAttention, KeyAddressing, attend, host_inputs
+from model.attention.blocked_schedule import QUERY_BLOCKS, query_block_for
 
 H, D, ALPHA, N = 2, 8, 0.3, 64.0
 
@@ -21,8 +21,7 @@ def test_batched_attention_matches_the_dense_reference(page_size, query_block, k
     new, cands = [1, 13, 0, 16, 40], [1, 3, 4, 0, 7]  # no new events; no candidates
     case = paged_attention_case(rng, cached, new, cands, page_size, heads=H, head_dim=D)
     q, k, v, keys, values = case.q, case.k, case.v, case.keys, case.values
-    plan = plan_attention(np.array(new), np.array(cands), np.array(cached), case.addressing,
-                          query_block=query_block, key_block=key_block)
+    plan = BlockedAttention(query_block, key_block).plan(AttentionBatch.of(new, cands, cached, case.addressing))
     attention = BatchAttention.from_device(plan, {name: torch.from_numpy(a) for name, a in host_inputs(plan).items()})
     bias = dict(bias=case.bias, bias_inputs=case.bias_inputs()) if with_bias else {}
     out = attend(q, k, v, keys, values, attention, candidates_only=False, alpha=ALPHA, normalizer=N, **bias)
@@ -38,7 +37,7 @@ def test_batched_attention_matches_the_dense_reference(page_size, query_block, k
 
 def test_masked_blocks_are_never_visited():
     """Causal history: a query block's pairs reach only to its last row's keys."""
-    plan = plan_attention(np.array([64]), np.array([0]), np.array([0]), KeyAddressing(0), query_block=16, key_block=16)
+    plan = BlockedAttention(query_block=16, key_block=16).plan(AttentionBatch.of([64], [0], [0], KeyAddressing(0)))
     assert plan.all_rows.num_pairs == 1 + 2 + 3 + 4  # the lower triangle of 4 x 4 blocks
     assert plan.candidate_rows.num_pairs == 0
 
@@ -51,6 +50,6 @@ def test_query_blocks_follow_the_batch_so_cached_visits_pad_little():
     candidates_only = query_block_for(np.array([64] * 8), np.full(8, 1000))
     assert cached_visit < full_window == max(QUERY_BLOCKS)
     assert candidates_only == 64  # exactly one block per user, nothing padded
-    plan = plan_attention(np.array([10, 10]), np.array([64, 64]), np.array([900, 1100]), KeyAddressing(0))
+    plan = BlockedAttention().plan(AttentionBatch.of([10, 10], [64, 64], [900, 1100], KeyAddressing(0)))
     assert plan.candidate_rows.block_rows.shape[1] == 64
     assert plan.all_rows.block_rows.shape[1] == cached_visit

@@ -128,10 +128,10 @@ def test_corrupted_cache_is_caught_by_parity():
 
 
 def test_parity_when_attention_runs_in_many_blocks(monkeypatch):
-    import model.attention.plan as plan
+    import model.attention.blocked_schedule as schedule
 
-    monkeypatch.setattr(plan, "QUERY_BLOCKS", (8,))  # full recompute now spans many blocks, visits few
-    monkeypatch.setattr(plan, "KEY_BLOCK", 4)
+    monkeypatch.setattr(schedule, "QUERY_BLOCKS", (8,))  # full recompute now spans many blocks, visits few
+    monkeypatch.setattr(schedule, "KEY_BLOCK", 4)
     cfg = tiny_config()
     model = sensitive_model(cfg, 5)
     rng = np.random.default_rng(5)

@@ -18,7 +18,7 @@ from data.schema import action_labels
 from helpers import Visit, build_processed, make_batch, random_histories, sensitive_model, tiny_config
 from model.evaluation import EarlyStopping, score_requests, window_batch
 from model.recommender import HSTURecommender
-from model.train import TRAINING_ATTENTION_BLOCKS, TrainParams, config_for_dataset, split_requests, train
+from model.train import TRAINING_ATTENTION, TrainParams, config_for_dataset, split_requests, train
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_training_blocks_compute_the_serving_function(dataset):
     batch = window_batch(model, dataset, next(dataset.batches(indices, 8)))
     with torch.no_grad():
         serving = model(batch)
-        model.attention_blocks = TRAINING_ATTENTION_BLOCKS
+        model.attention_backend = TRAINING_ATTENTION
         training = model(batch)
     torch.testing.assert_close(training, serving, rtol=1e-5, atol=1e-5)
 
@@ -157,4 +157,4 @@ def test_trainer_reports_epochs_throughput_and_keeps_the_best(dataset, select_on
     _, holdout = split_requests(dataset, params)
     again = score_requests(model, dataset, holdout, params.batch_size, progress=False)
     assert again.mean_bce() == pytest.approx(best.holdout_loss, rel=1e-5)
-    assert model.attention_blocks is None and not model.training
+    assert model.attention_backend == "auto" and not model.training

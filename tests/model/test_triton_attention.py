@@ -17,8 +17,7 @@ from helpers import (
     serve,
     tiny_config,
 )
-from model.attention import BatchAttention, BiasInputs, attend, host_inputs
-from model.attention.plan import plan_attention
+from model.attention import AttentionBatch, BatchAttention, BiasInputs, TritonAttention, attend, host_inputs
 from model.attention.relative_bias import NO_TIME
 from model.batch_shape import BatchShape
 
@@ -32,9 +31,11 @@ H, D, ALPHA, N = 2, 16, 0.3, 64.0
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU: Triton's interpreter (tests/conftest.py)
 
 
-def _run(case, candidates_only, shape=None, splits=1, page_capacity=None, with_bias=True):
-    plan = plan_attention(np.array(case.new), np.array(case.cands), np.array(case.cached), case.addressing,
-                          shape=shape, backend="triton", splits=splits, page_capacity=page_capacity)
+def _run(case, candidates_only, shape=None, splits=1, max_seq_len=None, with_bias=True):
+    """The kernel on `case`; with `shape`, bucketed (page table sized for windows up to `max_seq_len`)."""
+    backend = TritonAttention(case.q.shape[1], max_seq_len or 4096, splits=splits)
+    batch = AttentionBatch.of(case.new, case.cands, case.cached, case.addressing, shape, bucketed=shape is not None)
+    plan = backend.plan(batch)
     arrays = {name: torch.from_numpy(a).to(DEVICE) for name, a in host_inputs(plan).items()}
     attention = BatchAttention.from_device(plan, arrays)
     q, k, v = case.q.to(DEVICE), case.k.to(DEVICE), case.v.to(DEVICE)
@@ -92,7 +93,7 @@ def test_bucketed_shape_with_padding_users_and_tiles():
     case = paged_attention_case(np.random.default_rng(4), [20, 0, 7], new=[5, 9, 0], cands=[2, 3, 4], page_size=4,
                                 heads=H, head_dim=D, dtype=torch.float32)
     shape = BatchShape.bucket(3, sum(case.new), sum(case.cands))
-    _check(case, _run(case, False, shape=shape, page_capacity=64), False)
+    _check(case, _run(case, False, shape=shape, max_seq_len=64), False)
 
 
 def test_bfloat16_inputs_accumulate_in_fp32():
@@ -196,3 +197,26 @@ def test_kernel_at_production_head_dims_and_page_sizes(head_dim, page_size, spli
     case = paged_attention_case(rng, [1_000, 37], new=[3, 40], cands=[8, 5], page_size=page_size, heads=4,
                                 head_dim=head_dim, dtype=torch.float32)
     _check(case, _run(case, False, splits=splits), False, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("head_dim", "page_size", "splits", "dtype"), [
+    (128, 32, 16, torch.float32), (64, 64, 4, torch.float32), (128, 32, 2, torch.bfloat16),
+])
+def test_kernel_over_a_window_at_max_seq_len(head_dim, page_size, splits, dtype):
+    """A window 4 keys short of the presets' max_seq_len (4,084 cached + 8 new keys) beside a short one, split
+    across programs, with the bias, against the float64 reference (bf16: the kernel's bf16 inputs upcast there)."""
+    rng = np.random.default_rng(head_dim * page_size + splits)
+    case = paged_attention_case(rng, [4_084, 30], new=[8, 2], cands=[4, 3], page_size=page_size, heads=1,
+                                head_dim=head_dim, dtype=dtype)
+    tolerance = 2e-5 if dtype == torch.float32 else 3e-2
+    _check(case, _run(case, False, splits=splits), False, atol=tolerance, rtol=tolerance)
+
+
+def test_attention_cases_are_fixed_by_their_seed():
+    """The same seed gives the same case (a failure reproduces); another seed another one."""
+    make = lambda seed: paged_attention_case(np.random.default_rng(seed), [5, 2], new=[3, 1], cands=[2, 2],
+                                             page_size=4, heads=H, head_dim=D)
+    a, b, c = make(3), make(3), make(4)
+    for name in ("q", "k", "v", "keys", "key_times", "query_times"):
+        assert torch.equal(getattr(a, name).nan_to_num(), getattr(b, name).nan_to_num()), name
+    assert torch.equal(a.bias.position, b.bias.position) and not torch.equal(a.q, c.q)

@@ -1,0 +1,59 @@
+"""The flags of `python -m serve.node` and the checks that refuse impossible settings before the slow start."""
+from __future__ import annotations
+
+import argparse
+
+from serve.protocol import DEFAULT_MAX_EVENTS
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--history_store", default=None,
+                   help="history store URL: sqlite:///path (this machine) or redis://host:port/db (shared); "
+                        "fill it with python -m history.bootstrap")
+    p.add_argument("--data_dir", default=None, help="without --history_store: a preprocessed dataset served read-only")
+    p.add_argument("--checkpoint", required=True, help="model checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--node_id", default=None, help="id in the locality index (default HOST:PORT)")
+    p.add_argument("--redis_url", default=None, help="shared KV tier and locality index (default: none, a lone node)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv_pages", type=int, default=1024, help="device pool pages")
+    p.add_argument("--page_size", type=int, default=None, help="tokens per page (default: the model's)")
+    p.add_argument("--host_capacity_mb", type=int, default=1024, help="host-memory tier capacity")
+    p.add_argument("--redis_capacity_mb", type=int, default=8192, help="shared tier capacity (for this model)")
+    p.add_argument("--sync_offload", action="store_true", help="offload on the compute thread (default: a worker)")
+    p.add_argument("--no_offload_each_visit", action="store_true",
+                   help="keep K/V on the device between visits; offload on eviction and shutdown only")
+    p.add_argument("--cuda_graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each batch bucket's CUDA graph (default: on with --device cuda and the triton backend)")
+    p.add_argument("--max_batch_size", type=int, default=8)
+    p.add_argument("--max_wait_ms", type=float, default=2.0, help="the oldest request waits at most this for a batch")
+    p.add_argument("--max_queue", type=int, default=256, help="requests queued before answering 503")
+    p.add_argument("--max_candidates", type=int, default=512)
+    p.add_argument("--max_events", type=int, default=DEFAULT_MAX_EVENTS, help="events per POST /events or /score")
+    p.add_argument("--torch_threads", type=int, default=1)
+    p.add_argument("--heartbeat_s", type=float, default=1.0)
+    p.add_argument("--index_ttl_s", type=float, default=3.0,
+                   help="a node's index entries expire this long after its last heartbeat")
+    p.add_argument("--admin", action="store_true", help="serve POST /admin/reset_cache (benchmarks only)")
+    p.add_argument("--log_level", default="INFO")
+    return p
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse impossible settings before the slow start (argparse-style: exit 2 with one message)."""
+    positive = ("max_batch_size", "max_queue", "max_candidates", "torch_threads", "kv_pages", "host_capacity_mb", "max_events")
+    if (args.history_store is None) == (args.data_dir is None):
+        parser.error("give exactly one of --history_store (live events) and --data_dir (a fixed dataset)")
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        parser.error(f"--cuda_graphs needs a CUDA --device, got {args.device}")
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in [1, 65535], got {args.port}")
+    if args.max_wait_ms < 0:
+        parser.error(f"--max_wait_ms must be >= 0, got {args.max_wait_ms}")
+    if not 0 < args.heartbeat_s < args.index_ttl_s:
+        parser.error(f"need 0 < --heartbeat_s < --index_ttl_s, got {args.heartbeat_s} and {args.index_ttl_s}")
