@@ -47,7 +47,7 @@ from ..codecs import EncodedPages
 from ..config import PageLayout
 from .base import HostEntry, HostPages, HostWriteResult, PageFill
 from .lru import BytesBoundedTier, BytesLRU
-from .page_codec import StagingPages, page_crcs
+from .page_codec import page_crcs
 from .tier_codec import TierCodec, whole_fill
 
 FORMAT = "hstu-kvcache-disk"
@@ -108,7 +108,6 @@ class DiskHostStorage(BytesBoundedTier):
         self.directory = Path(directory)
         self._fsync = bool(fsync)
         self._next_seq = 1
-        self._staging = StagingPages()
         self._lock_fd: int | None = None
         self._closer: weakref.finalize | None = None
         self.corrupt_reads = 0
@@ -181,13 +180,7 @@ class DiskHostStorage(BytesBoundedTier):
             if kept is None:  # its pages were bad: dropped, so this write has nothing to continue
                 return HostWriteResult(False, ())
             fill, first_page = whole_fill(kept.pages, first_page, fill), 0
-        dst = self._staging.take(layout, num_pages - first_page)
-        try:
-            fill(dst)
-        except BaseException:
-            self.drop(user_id)
-            raise
-        rows = self.codec.encode(layout, dst).rows()
+        rows = self.codec.fill_and_encode(layout, num_pages - first_page, fill, lambda: self.drop(user_id))
         sizes = np.fromiter((len(r) for r in rows), dtype=np.uint32, count=len(rows))
         spec = self.codec.spec.encode()
         index_nbytes = _HEADER.size + len(tag) + len(spec) + _PAGE_RECORD * num_pages + 4

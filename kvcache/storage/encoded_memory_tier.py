@@ -15,7 +15,6 @@ import numpy as np
 from ..codecs import EncodedPages
 from .base import HostEntry, HostPages, HostWriteResult, PageFill
 from .lru import BytesBoundedTier
-from .page_codec import StagingPages
 from .tier_codec import TierCodec, whole_fill
 
 
@@ -40,7 +39,6 @@ class EncodedMemoryStorage(BytesBoundedTier):
     def __init__(self, capacity_bytes: int, codec: str) -> None:
         super().__init__(capacity_bytes)
         self.codec = TierCodec(codec)
-        self._staging = StagingPages()
 
     def read(self, user_id: int) -> HostPages | None:
         e = self._users.get(user_id)
@@ -58,13 +56,7 @@ class EncodedMemoryStorage(BytesBoundedTier):
         old, num_pages = self._checked_write(user_id, start_pos, length, first_page)
         if old is not None and first_page and old.spec != self.codec.spec:
             fill, first_page = whole_fill(self.read(user_id).pages, first_page, fill), 0
-        dst = self._staging.take(layout, num_pages - first_page)
-        try:
-            fill(dst)
-        except BaseException:
-            self.drop(user_id)
-            raise
-        new_rows = self.codec.encode(layout, dst).rows()
+        new_rows = self.codec.fill_and_encode(layout, num_pages - first_page, fill, lambda: self.drop(user_id))
         rows = (old.rows[:first_page] if first_page else []) + [row.copy() for row in new_rows]
         nbytes = sum(len(row) for row in rows)
         if nbytes > self._capacity - self._users.protected_bytes(protect, user_id):

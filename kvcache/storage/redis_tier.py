@@ -54,7 +54,7 @@ from .base import (
     check_write_range,
     continues,
 )
-from .page_codec import StagingPages, page_crcs
+from .page_codec import page_crcs
 from .tier_codec import TierCodec, whole_fill
 
 PENDING_PAGE_MS = 300_000  # uploaded pages not yet committed expire after this (a crashed writer's)
@@ -273,7 +273,6 @@ class RedisHostStorage(HostKVStorage):
         self._read_meta = self._redis.register_script(_READ_META)
         self._pages = _PageReader(self._redis.connection_pool)
         self._drop = self._redis.register_script(_DROP)
-        self._staging = StagingPages()
         self.write_conflicts = 0  # incremental writes refused: another writer replaced their base entry
         self.lost_reads = 0  # entries whose pages vanished under a reader (TTL, a Redis maxmemory policy)
         self.corrupt_reads = 0  # entries dropped for failing their checks (also raised as TierDataError)
@@ -348,6 +347,11 @@ class RedisHostStorage(HostKVStorage):
                 return None
         return None  # the entry keeps changing under us: a miss is always safe
 
+    def _drop_after_failed_fill(self, user_id: int) -> None:
+        """The contract: a failed fill drops the entry (nothing was sent); the fill's error is the one to report."""
+        with contextlib.suppress(redis.RedisError):
+            self.drop(user_id)
+
     def write(
         self, user_id: int, start_pos: int, length: int, first_page: int, fill: PageFill,
         protect: Collection[int] = (), tag: bytes = b"",
@@ -375,14 +379,7 @@ class RedisHostStorage(HostKVStorage):
                 self.write_conflicts += 1
                 return HostWriteResult(False, ())
             fill, first_page = whole_fill(kept.pages, first_page, fill), 0
-        dst = self._staging.take(layout, num_pages - first_page)
-        try:
-            fill(dst)
-        except BaseException:
-            with contextlib.suppress(redis.RedisError):  # the fill error is the one to report
-                self.drop(user_id)  # the contract: a failed fill drops the entry (nothing was sent)
-            raise
-        rows = self.codec.encode(layout, dst).rows()
+        rows = self.codec.fill_and_encode(layout, num_pages - first_page, fill, lambda: self._drop_after_failed_fill(user_id))
         if sum(len(row) for row in rows) > self._capacity:
             return HostWriteResult(False, ())
         pipe = self._redis.pipeline(transaction=False)

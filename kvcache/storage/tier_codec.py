@@ -8,16 +8,20 @@ tier rewrites it whole (`whole_fill`: the kept pages, decoded, then the new ones
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..codecs import EncodedPages, KVCodec, get_codec
 from ..config import PageLayout
 from ..page_data import PageData
 from .base import PageFill
+from .page_codec import StagingPages
 
 
 class TierCodec:
     def __init__(self, spec: str) -> None:
         self.codec: KVCodec = get_codec(spec)
         self._readers: dict[str, KVCodec] = {self.codec.spec: self.codec}
+        self._staging = StagingPages()
 
     @property
     def spec(self) -> str:
@@ -25,6 +29,19 @@ class TierCodec:
 
     def encode(self, layout: PageLayout, pages: PageData) -> EncodedPages:
         return self.codec.encode(layout, pages)
+
+    def fill_and_encode(self, layout: PageLayout, num_pages: int, fill: PageFill,
+                        on_failed_fill: Callable[[], None]) -> list:
+        """A write's new pages: `fill` writes them into a reused staging buffer, then they are encoded,
+        one row of bytes a page. A fill that raises calls `on_failed_fill` first (the tier contract:
+        the entry is dropped) and the error propagates."""
+        dst = self._staging.take(layout, num_pages)
+        try:
+            fill(dst)
+        except BaseException:
+            on_failed_fill()
+            raise
+        return self.codec.encode(layout, dst).rows()
 
     def decode(self, layout: PageLayout, encoded: EncodedPages) -> PageData:
         """Decoded with the codec `encoded.spec` names; ValueError for a spec no codec takes (bad stored data)."""
