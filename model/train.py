@@ -72,9 +72,6 @@ class TrainParams:
     # The counter term (model/counter_features.py): a few hundred weights read by every batch, whose
     # targets are around a logit; at the layers' rate they would barely move in an epoch.
     counter_learning_rate: float = 0.05
-    # The relative attention bias tables (rab_p, rab_t: a few thousand weights that decide which
-    # events a query attends); None: the layers' rate.
-    relative_bias_learning_rate: float | None = None
     # L2 on the per-video rows a batch reads (token video embeddings, video_bias): a video seen once
     # or twice would otherwise memorise its training labels (the holdout loss rises from epoch 2).
     video_l2: float = 0.0
@@ -161,21 +158,15 @@ def _optimizers(model: HSTURecommender, params: TrainParams) -> tuple[list[torch
     if taste_tables:
         groups.append({"params": [t.weight for t in taste_tables], "lr": params.taste_learning_rate})
     counters = list(model.counter_features.parameters()) if model.counter_features is not None else []
-    biases = []
-    if params.relative_bias_learning_rate is not None:
-        biases = [p for layer in model.layers if layer.relative_bias is not None
-                  for p in layer.relative_bias.parameters() if p.requires_grad]
-    own_rate = {id(p) for group in groups for p in group["params"]} | {id(p) for p in counters + biases}
+    own_rate = {id(p) for group in groups for p in group["params"]} | {id(p) for p in counters}
     layers = [p for p in model.parameters() if id(p) not in own_rate]
     dense_groups = [{"params": layers, "lr": params.learning_rate}]
     if counters:
         dense_groups.append({"params": counters, "lr": params.counter_learning_rate})
-    if biases:
-        dense_groups.append({"params": biases, "lr": params.relative_bias_learning_rate})
     return [
         torch.optim.SparseAdam(groups),
         torch.optim.AdamW(dense_groups, lr=params.learning_rate, weight_decay=1e-4),
-    ], layers + counters + biases
+    ], layers + counters
 
 
 def _row_penalty(model: HSTURecommender, inputs: ModelInputs, params: TrainParams) -> Tensor | float:
@@ -358,8 +349,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--taste_learning_rate", type=float, default=d.taste_learning_rate)
     p.add_argument("--taste_l2", type=float, default=d.taste_l2, help="L2 on the user-taste rows a batch reads")
     p.add_argument("--counter_learning_rate", type=float, default=d.counter_learning_rate)
-    p.add_argument("--relative_bias_learning_rate", type=float, default=d.relative_bias_learning_rate,
-                   help="of the relative attention bias tables (default: --learning_rate)")
     p.add_argument("--select_on", choices=SELECT_ON, default=d.select_on,
                    help="the holdout score that picks the kept epoch")
     p.add_argument("--video_l2", type=float, default=d.video_l2, help="L2 on the video rows a batch reads")
