@@ -84,6 +84,10 @@ class TrainParams:
     # Each visit's last events scored as targets too, each seeing only the events before it
     # (InferenceDataset.make_batch(history_targets=)); 0: the visits' candidates only.
     history_targets: int = 0
+    # The absolute position table of a fresh model (HSTUConfig.position_table_size, saved in the
+    # checkpoint and read by serving): None keeps the preset's; 1 gives every token one position row,
+    # which removes absolute positions and leaves order to the relative bias.
+    position_table_size: int | None = None
     max_train_requests: int | None = None
     max_train_seconds: float | None = None
     seed: int = 0
@@ -236,6 +240,8 @@ def train(
     rng = np.random.default_rng(params.seed)
     if model is None:
         config = config_for_dataset(params.preset, dataset).replace(dropout=params.dropout)
+        if params.position_table_size is not None:
+            config = config.replace(position_table_size=params.position_table_size)
         model = HSTURecommender(config, device=params.device)
     # The blocked torch path: the Triton kernel computes forwards only (it has no backward).
     serving_backend, model.attention_backend = model.attention_backend, TRAINING_ATTENTION
@@ -313,6 +319,12 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
+def add_position_table_argument(p: argparse.ArgumentParser) -> None:
+    """`--position_table_size` (TrainParams.position_table_size), for every script that trains."""
+    p.add_argument("--position_table_size", type=int, default=TrainParams.position_table_size,
+                   help="absolute position rows of a fresh model (default: the preset's; 1 = no absolute positions)")
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data_dir", required=True, help="preprocessor_inference.py output directory")
@@ -329,6 +341,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--history_targets", type=int, default=d.history_targets,
                    help="score each visit's last N history events as training targets too (each sees the events before it)")
     p.add_argument("--dropout", type=float, default=d.dropout, help="dropout of the layers while training")
+    add_position_table_argument(p)
     p.add_argument("--batch_size", type=int, default=d.batch_size)
     p.add_argument("--learning_rate", type=float, default=d.learning_rate)
     p.add_argument("--embedding_learning_rate", type=float, default=d.embedding_learning_rate)

@@ -137,3 +137,14 @@ def test_parity_when_attention_runs_in_many_blocks(monkeypatch):
     rng = np.random.default_rng(5)
     histories = random_histories(rng, 4, (30, 70), cfg)
     replay_and_compare(model, make_cache(cfg, num_pages=200), histories, rng, max_chunk=20)
+
+
+def test_parity_without_absolute_positions(device):
+    """`position_table_size = 1` (every token reads one position row; order only through the relative bias)."""
+    cfg = tiny_config(position_table_size=1)
+    model = sensitive_model(cfg, 5).to(device)
+    rng = np.random.default_rng(5)
+    histories = random_histories(rng, 6, (1, 40), cfg)
+    cache = make_cache(cfg, num_pages=200, device=device)
+    assert replay_and_compare(model, cache, histories, rng, max_chunk=3 * cfg.page_size) >= 2
+    assert cache.stats().tokens_reused > 0

@@ -16,6 +16,7 @@ import torch
 from data.dataset import InferenceDataset
 from data.schema import action_labels
 from helpers import Visit, build_processed, make_batch, random_histories, sensitive_model, tiny_config
+from model.checkpoint import load_checkpoint, save_checkpoint
 from model.evaluation import EarlyStopping, score_requests, window_batch
 from model.recommender import HSTURecommender
 from model.train import TRAINING_ATTENTION, TrainParams, config_for_dataset, split_requests, train
@@ -158,3 +159,18 @@ def test_trainer_reports_epochs_throughput_and_keeps_the_best(dataset, select_on
     again = score_requests(model, dataset, holdout, params.batch_size, progress=False)
     assert again.mean_bce() == pytest.approx(best.holdout_loss, rel=1e-5)
     assert model.attention_backend == "auto" and not model.training
+
+
+def test_trainer_position_table_override_reaches_the_checkpoint(dataset, tmp_path):
+    params = TrainParams(preset="tiny", epochs=1, batch_size=8, seed=0, max_train_requests=16, position_table_size=1)
+    model, _ = train(dataset, params)
+    assert model.config.position_table_size == 1
+    assert model.embedder.collection.embeddings["table_position"].weight.shape[0] == 1
+    save_checkpoint(model, tmp_path)
+    loaded = load_checkpoint(tmp_path).model.eval()
+    assert loaded.config == model.config
+    _, holdout = split_requests(dataset, params)
+    torch.testing.assert_close(score_requests(loaded, dataset, holdout, 8, progress=False).logits,
+                               score_requests(model, dataset, holdout, 8, progress=False).logits)
+    default, _ = train(dataset, replace(params, position_table_size=None))
+    assert default.config.position_table_size == config_for_dataset("tiny", dataset).position_table_size
