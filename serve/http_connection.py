@@ -29,20 +29,13 @@ from typing import TYPE_CHECKING
 
 import httptools
 
+from serve.http_refusals import Refused, parser_error_code
 from serve.http_routes import Handler, Request, Response, error_response
 
 if TYPE_CHECKING:
     from serve.http_server import HttpServer
 
 log = logging.getLogger("serve.http")
-
-
-class Refused(Exception):
-    """A request the server answers itself and then closes the connection for."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.response = error_response(status, code, message)
 
 
 @dataclass(frozen=True)
@@ -54,18 +47,6 @@ class _Queued:
     answer: Response | None
     keep_alive: bool
     reserved: int  # of the server's body budget, released once answered
-
-
-def _parser_error_code(err: Exception, headers_done: bool) -> str:
-    """llhttp's error, as one of the front's documented codes."""
-    if isinstance(err, (httptools.HttpParserInvalidMethodError, httptools.HttpParserInvalidURLError)):
-        return "bad_request_line"
-    text = str(err).lower()
-    if headers_done:
-        return "bad_body"
-    if any(word in text for word in ("method", "url", "version", "http/")):
-        return "bad_request_line"
-    return "bad_header"
 
 
 class Connection(asyncio.Protocol):
@@ -146,7 +127,7 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._refuse(Refused(400, "upgrade_not_supported", "protocol upgrades are not supported"))
         except httptools.HttpParserError as err:
-            code = _parser_error_code(err, self._headers_done)
+            code = parser_error_code(err, self._headers_done)
             self._refuse(Refused(400, code, f"malformed request: {err}"))
         self._advance()
         self._flow_control()
