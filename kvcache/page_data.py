@@ -14,6 +14,7 @@ row `page_size, num_heads, head_dim` is dense). Tiers that store bytes hold a pa
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -85,3 +86,46 @@ def blob_view(layout: PageLayout, blob: Tensor) -> PageData:
     kv = blob[:, : layout.kv_nbytes].view(layout.dtype).view(n, *layout.page_shape)
     times = blob[:, layout.times_offset :].view(torch.int64)
     return PageData(kv, times, blob)
+
+
+def concat_pages(parts: list[PageData]) -> PageData:
+    """The pages of `parts` in order, in fresh memory."""
+    return PageData(torch.cat([p.kv for p in parts]), torch.cat([p.times for p in parts]))
+
+
+class EncodedPageData(ABC):
+    """Pages a tier read that are still encoded: the device pool decodes them straight into its pages
+    (`decode_into`), so an onload from an encoded tier writes each value once, with no decoded copy
+    in fresh host memory in between; everything else asks for `decode()`."""
+
+    @property
+    @abstractmethod
+    def num_pages(self) -> int: ...
+
+    @abstractmethod
+    def decode(self) -> PageData:
+        """The pages decoded into fresh host memory."""
+
+    @abstractmethod
+    def decode_into(self, dst: PageData) -> None:
+        """Decode into `dst` (num_pages pages, any strides, on the host): equal to `decode()`."""
+
+    @abstractmethod
+    def page_range(self, start: int, stop: int) -> EncodedPageData:
+        """Pages [start, stop), still encoded."""
+
+
+HostPageData = PageData | EncodedPageData  # what a tier's read hands out
+
+
+def decoded(pages: HostPageData) -> PageData:
+    """`pages` as PageData (decoded if they are encoded)."""
+    return pages.decode() if isinstance(pages, EncodedPageData) else pages
+
+
+def copy_pages(dst: PageData, src: HostPageData) -> None:
+    """dst <- src, decoding straight into dst when src is encoded."""
+    if isinstance(src, EncodedPageData):
+        src.decode_into(dst)
+    else:
+        dst.copy_(src)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .config import PageLayout
 from .onload_events import OnloadEvents
-from .page_data import PageData
+from .page_data import EncodedPageData, HostPageData, PageData, decoded
 from .paged_kvcache_ops import as_words
 
 Pages = array | Sequence[int]  # page ids; the pool hands out array("q")
@@ -94,7 +94,9 @@ class DevicePagePool:
         if self._is_free[idx].any() or len(np.unique(idx)) != len(idx):
             raise RuntimeError(f"Double free among pages {sorted(pages)}.")
         self._is_free[idx] = True
-        self._free.extend(pages)
+        # Highest first, so that the stack hands the pages out again lowest first: a user's pages stay runs
+        # of consecutive ids, which onloads from an encoded tier decode in one piece each.
+        self._free.extend(np.sort(idx)[::-1].tolist())
 
     def free_pages(self) -> list[int]:
         return list(self._free)
@@ -143,8 +145,10 @@ class DevicePagePool:
             dst.times.copy_(self.times.index_select(0, idx), non_blocking=True)
         stream.synchronize()
 
-    def copy_in(self, moves: Sequence[tuple[Pages, PageData]]) -> None:
-        """Write each `src` (len(pages) pages, any device and strides) into its `pages`.
+    def copy_in(self, moves: Sequence[tuple[Pages, HostPageData]]) -> None:
+        """Write each `src` (len(pages) pages, any device and strides) into its `pages`. Encoded pages
+        (`EncodedPageData`) are decoded straight into the pool's pages on the CPU, and decoded on the host
+        first on CUDA.
 
         On CUDA the copies run on the onload stream, after the work already queued on the current
         stream (the pages may have been freed by a batch still computing there): first the times of
@@ -159,10 +163,14 @@ class DevicePagePool:
         if not self._cuda:
             rows = self._layer_rows()
             for pages, src in moves:
+                if isinstance(src, EncodedPageData):
+                    self._decode_in(pages, src)
+                    continue
                 idx = self._index(pages)
                 _index_copy_into(rows, idx, _pool_order(src.kv.to(self.device)))
                 self.times.index_copy_(0, idx, src.times.to(self.device))
             return
+        moves = [(pages, decoded(src)) for pages, src in moves]  # decoded on the host, then moved as raw pages
         stream = self._onload_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         lay = self.layout
@@ -184,6 +192,17 @@ class DevicePagePool:
                     start += src.shape[0]
                 rows[layer].index_copy_(1, idx, staging.flatten(2).transpose(0, 1))  # [2, k, S*H*D]
                 self._onload_events.record(layer, stream)
+
+    def _decode_in(self, pages: Pages, src: EncodedPageData) -> None:
+        """Decode `src` straight into `pages`, one decode per run of consecutive page ids (the free list
+        hands out runs): each value is written once, into the pool."""
+        idx = np.asarray(pages, dtype=np.int64)
+        cuts = np.flatnonzero(np.diff(idx) != 1) + 1
+        for start, stop in zip([0, *cuts.tolist()], [*cuts.tolist(), len(idx)]):
+            first = int(idx[start])
+            span = slice(first, first + stop - start)
+            dst = PageData(self.kv[:, :, span].permute(2, 0, 1, 3, 4, 5), self.times[span])
+            src.page_range(start, stop).decode_into(dst)
 
     def wait_for_layer(self, layer: int) -> None:
         """Make the current stream wait (on the device, the host does not block) for layer `layer` of the

@@ -29,6 +29,7 @@ from .cache_version import FROM_HOST, NOTHING, CacheVersion, Residence
 from .config import PageLayout
 from .events import CacheEvents
 from .metadata import token_slots
+from .page_data import decoded
 from .policy import EvictionPolicy
 from .pool import DevicePagePool
 from .storage import HostEntry, HostKVStorage, HostPages
@@ -118,7 +119,7 @@ class Residency:
         if hp is None:
             empty = torch.zeros((0, lay.num_heads, lay.head_dim), dtype=lay.dtype, device=pool.device)
             return empty, empty.clone()
-        kv = hp.pages.kv[:, layer].transpose(0, 1).reshape(2, -1, lay.num_heads, lay.head_dim)[:, : hp.length]
+        kv = decoded(hp.pages).kv[:, layer].transpose(0, 1).reshape(2, -1, lay.num_heads, lay.head_dim)[:, : hp.length]
         kv = kv.to(pool.device, copy=True)
         return kv[0], kv[1]
 
@@ -133,7 +134,7 @@ class Residency:
         hp = self.host.read(u) if self.host.info(u) is not None else None
         if hp is None:
             return torch.zeros(0, dtype=torch.int64, device=pool.device)
-        return hp.pages.times.reshape(-1)[: hp.length].to(pool.device, copy=True)
+        return decoded(hp.pages).times.reshape(-1)[: hp.length].to(pool.device, copy=True)
 
     def _committed_slots(self, res: Resident) -> Tensor:
         pages = np.asarray(res.pages, dtype=np.int64)

@@ -434,12 +434,6 @@ def host_pages(layout, n: int, value: float | None = None, seed: int | None = No
     return PageData(torch.full(shape, float(value), dtype=layout.dtype), int(value) * 1000 + slots)
 
 
-def cat_pages(parts):
-    from kvcache.page_data import PageData
-
-    return PageData(torch.cat([p.kv for p in parts]), torch.cat([p.times for p in parts]))
-
-
 def pages_equal(a, b) -> bool:
     """Bit-identical K/V and times (NaN bits included)."""
     def bits(t):

@@ -77,6 +77,13 @@ class EncodedPages:
         """Bytes of each page, int64 [k]."""
         return np.diff(self.offsets)
 
+    def page_range(self, start: int, stop: int) -> EncodedPages:
+        """Pages [start, stop), viewing the same bytes."""
+        if not 0 <= start <= stop <= self.num_pages:
+            raise IndexError(f"pages [{start}, {stop}) of {self.num_pages} encoded pages")
+        offsets = self.offsets[start : stop + 1]
+        return EncodedPages(self.spec, self.data[int(offsets[0]) : int(offsets[-1])], offsets - offsets[0])
+
     def rows(self) -> list[np.ndarray]:
         """Each page's bytes as a uint8 array viewing `data` (what byte-storing tiers write)."""
         flat = self.data.numpy()
@@ -127,6 +134,11 @@ class KVCodec(ABC):
     @abstractmethod
     def decode(self, layout: PageLayout, encoded: EncodedPages) -> PageData:
         """Pages in fresh host memory (a blob view for the raw codec), K/V in `layout.dtype`."""
+
+    def decode_into(self, layout: PageLayout, encoded: EncodedPages, out: PageData) -> None:
+        """`decode` written into `out` (encoded.num_pages pages, any strides): equal to it. Codecs that can
+        write the values in place (no decoded copy in between) override it."""
+        out.copy_(self.decode(layout, encoded))
 
     def max_abs_error(self, layout: PageLayout, pages: PageData) -> Tensor:
         """An upper bound of |decode(encode(pages)).kv - pages.kv| for each element, [k, *page_shape] float32.

@@ -61,13 +61,16 @@ class FixedWidthCodec(KVCodec):
         return EncodedPages.from_fixed(self.spec, rows)
 
     def decode(self, layout: PageLayout, encoded: EncodedPages) -> PageData:
+        out = empty_pages(layout, encoded.num_pages)
+        self.decode_into(layout, encoded, out)
+        return out
+
+    def decode_into(self, layout: PageLayout, encoded: EncodedPages, out: PageData) -> None:
         self.check_spec(encoded)
         rows = encoded.fixed_rows(self.page_nbytes(layout))
-        out = empty_pages(layout, encoded.num_pages)
         out.times.copy_(rows[:, : layout.page_size * TIME_NBYTES].view(torch.int64))
         for first, stop, codec, offset, width in self._spans(layout):
             codec.decode_into(layout, rows[:, offset : offset + width], out.kv[:, first:stop])
-        return out
 
     def max_abs_error(self, layout: PageLayout, pages: PageData) -> torch.Tensor:
         return torch.cat([codec.max_abs_error(layout, pages.kv[:, first:stop])

@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection
 from typing import NamedTuple
 
 from ..config import PageLayout
-from ..page_data import PageData
+from ..page_data import HostPageData, PageData
 
 # Fills host pages (k of them) with pages; returns once they hold them.
 PageFill = Callable[[PageData], None]
@@ -43,7 +43,7 @@ class HostEntry(NamedTuple):
 class HostPages(NamedTuple):
     start_pos: int
     length: int
-    pages: PageData  # ceil(length / page_size) pages, valid until the next write of this user
+    pages: HostPageData  # ceil(length / page_size) pages (maybe still encoded), valid until the next write of this user
     tag: bytes = b""
 
     @property

@@ -180,7 +180,7 @@ class DiskHostStorage(BytesBoundedTier):
             if kept is None:  # its pages were bad: dropped, so this write has nothing to continue
                 return HostWriteResult(False, ())
             fill, first_page = whole_fill(kept.pages, first_page, fill), 0
-        rows = self.codec.fill_and_encode(layout, num_pages - first_page, fill, lambda: self.drop(user_id))
+        rows = self.codec.fill_and_encode(layout, num_pages - first_page, fill, lambda: self.drop(user_id)).rows()
         sizes = np.fromiter((len(r) for r in rows), dtype=np.uint32, count=len(rows))
         spec = self.codec.spec.encode()
         index_nbytes = _HEADER.size + len(tag) + len(spec) + _PAGE_RECORD * num_pages + 4

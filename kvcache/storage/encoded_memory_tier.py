@@ -1,32 +1,53 @@
 """EncodedMemoryStorage: the host-RAM tier for a codec other than raw.
 
 Encoded pages differ in size (a lossless codec's by page, a lossy one's from the raw page), so
-they cannot live in the raw tier's fixed-size page slab; each user's pages are kept as the byte
-rows its writes encoded, bounded by their bytes, least recently used users evicted first. A read
-decodes the user's pages with one decode over all of them (the codec's tensor ops), into fresh
-host memory. The raw codec keeps `InMemoryHostStorage` (pinned slab, layer-major, no decode).
+they cannot live in the raw tier's fixed-size page slab; each user's pages are kept as the encoded
+parts its writes made (an incremental write keeps the pages before it and adds one part; past
+MAX_PARTS parts they are merged into one), bounded by their bytes, least recently used users
+evicted first. A read hands the parts out still encoded: the device pool decodes them straight
+into its pages, so an onload writes each value once. The raw codec keeps `InMemoryHostStorage`
+(pinned slab, layer-major, no decode).
 """
 from __future__ import annotations
 
 from collections.abc import Collection
 
 import numpy as np
+import torch
 
 from ..codecs import EncodedPages
+from ..page_data import decoded
 from .base import HostEntry, HostPages, HostWriteResult, PageFill
 from .lru import BytesBoundedTier
 from .tier_codec import TierCodec, whole_fill
 
+MAX_PARTS = 16  # encoded parts an entry keeps before they are merged (bounds the pieces a read decodes)
+
 
 class _Entry:
-    __slots__ = ("length", "rows", "spec", "start_pos", "tag")
+    __slots__ = ("length", "parts", "start_pos", "tag")
 
-    def __init__(self, start_pos: int, length: int, tag: bytes, spec: str, rows: list[np.ndarray]) -> None:
+    def __init__(self, start_pos: int, length: int, tag: bytes, parts: list[EncodedPages]) -> None:
         self.start_pos = start_pos
         self.length = length
         self.tag = tag
-        self.spec = spec  # the codec that encoded `rows`
-        self.rows = rows  # [ceil(length / S)] encoded pages
+        self.parts = parts  # ceil(length / S) encoded pages, in order, each part with its codec's spec
+
+    @property
+    def spec(self) -> str | None:
+        """The codec of every part, or None when they differ."""
+        specs = {part.spec for part in self.parts}
+        return specs.pop() if len(specs) == 1 else None
+
+    def first_pages(self, n: int) -> list[EncodedPages]:
+        """The parts holding pages [0, n), the last one cut at n."""
+        kept, start = [], 0
+        for part in self.parts:
+            if start >= n:
+                break
+            kept.append(part if start + part.num_pages <= n else part.page_range(0, n - start))
+            start += part.num_pages
+        return kept
 
     @property
     def info(self) -> HostEntry:
@@ -45,7 +66,7 @@ class EncodedMemoryStorage(BytesBoundedTier):
         if e is None:
             return None
         self._users.touch(user_id)
-        pages = self.codec.decode(self.layout, EncodedPages.from_rows(e.spec, e.rows))
+        pages = self.codec.deferred(self.layout, e.parts)
         return HostPages(e.start_pos, e.length, pages, e.tag)
 
     def write(
@@ -55,10 +76,13 @@ class EncodedMemoryStorage(BytesBoundedTier):
         layout = self.layout
         old, num_pages = self._checked_write(user_id, start_pos, length, first_page)
         if old is not None and first_page and old.spec != self.codec.spec:
-            fill, first_page = whole_fill(self.read(user_id).pages, first_page, fill), 0
-        new_rows = self.codec.fill_and_encode(layout, num_pages - first_page, fill, lambda: self.drop(user_id))
-        rows = (old.rows[:first_page] if first_page else []) + [row.copy() for row in new_rows]
-        nbytes = sum(len(row) for row in rows)
+            fill, first_page = whole_fill(decoded(self.read(user_id).pages), first_page, fill), 0
+        new = self.codec.fill_and_encode(layout, num_pages - first_page, fill, lambda: self.drop(user_id))
+        new = EncodedPages(new.spec, new.data.clone(), new.offsets)  # it may view the codec's staging buffer
+        parts = (old.first_pages(first_page) if first_page else []) + [new]
+        if len(parts) > MAX_PARTS:
+            parts = [merge_parts(parts)]
+        nbytes = sum(part.nbytes for part in parts)
         if nbytes > self._capacity - self._users.protected_bytes(protect, user_id):
             return HostWriteResult(False, ())
         evicted = []
@@ -67,8 +91,16 @@ class EncodedMemoryStorage(BytesBoundedTier):
             victim = self._users.victim(keep)  # exists: the room was checked above
             evicted.append((victim, self._users.get(victim).info))
             self.drop(victim)
-        self._users.put(user_id, _Entry(start_pos, length, bytes(tag), self.codec.spec, rows), nbytes)
+        self._users.put(user_id, _Entry(start_pos, length, bytes(tag), parts), nbytes)
         return HostWriteResult(True, tuple(evicted))
 
     def drop(self, user_id: int) -> bool:
         return self._users.pop(user_id) is not None
+
+
+def merge_parts(parts: list[EncodedPages]) -> EncodedPages:
+    """One part holding the pages of `parts` (all of one spec), in fresh memory."""
+    offsets = [np.zeros(1, dtype=np.int64)]
+    for part in parts:
+        offsets.append(part.offsets[1:] + (offsets[-1][-1]))
+    return EncodedPages(parts[0].spec, torch.cat([part.data for part in parts]), np.concatenate(offsets))

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from ..config import PageLayout
-from ..page_data import PageData, empty_pages
+from ..page_data import EncodedPageData, PageData, empty_pages
 from .base import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill, TierDataError, sum_counters
 
 log = logging.getLogger("kvcache")
@@ -252,6 +252,8 @@ class FailOpenStorage(HostKVStorage):
             return f"read returned {hp!r:.200}"
         pages, layout = hp.pages, self.layout
         n = layout.num_pages(hp.length)
+        if isinstance(pages, EncodedPageData):
+            return None if pages.num_pages == n else f"read returned {pages.num_pages} encoded pages for {hp.length} tokens"
         if not isinstance(pages, PageData) or not all(isinstance(t, Tensor) for t in (pages.kv, pages.times)):
             return f"read returned pages of type {type(pages).__name__} for {hp.length} tokens"
         expected = {"kv": ((n, *layout.page_shape), layout.dtype), "times": ((n, layout.page_size), torch.int64)}

@@ -379,7 +379,8 @@ class RedisHostStorage(HostKVStorage):
                 self.write_conflicts += 1
                 return HostWriteResult(False, ())
             fill, first_page = whole_fill(kept.pages, first_page, fill), 0
-        rows = self.codec.fill_and_encode(layout, num_pages - first_page, fill, lambda: self._drop_after_failed_fill(user_id))
+        rows = self.codec.fill_and_encode(
+            layout, num_pages - first_page, fill, lambda: self._drop_after_failed_fill(user_id)).rows()
         if sum(len(row) for row in rows) > self._capacity:
             return HostWriteResult(False, ())
         pipe = self._redis.pipeline(transaction=False)

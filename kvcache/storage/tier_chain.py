@@ -20,6 +20,7 @@ from collections.abc import Collection, Sequence
 
 from ..codecs import DEFAULT_CODEC
 from ..config import KVCacheConfig, PageLayout
+from ..page_data import copy_pages
 from .base import (
     HostEntry,
     HostKVStorage,
@@ -169,7 +170,7 @@ class _Relay:
 
 
 def _copy_of(hp: HostPages) -> PageFill:
-    return lambda dst: dst.copy_(hp.pages)
+    return lambda dst: copy_pages(dst, hp.pages)
 
 
 def build_host_storage(config: KVCacheConfig) -> HostKVStorage:

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from helpers import cat_pages, host_pages, pages_equal
+from helpers import host_pages, pages_equal
 from kvcache import DiskHostStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, PageData
-from kvcache.page_data import blob_pages, empty_kv
+from kvcache.page_data import blob_pages, concat_pages, empty_kv
 from kvcache.pool import DevicePagePool
 from kvcache.testing import expected_kv, expected_times, serve
 
@@ -65,7 +65,7 @@ def test_pool_moves_pages_of_either_layout_bit_exactly_and_together(device):
     pages = pool.alloc(5)[::-1]  # scattered, in reverse order
     pool.copy_in([(pages[:3], from_tier), (pages[3:], second)])  # page blobs `second`
     pool.wait_for_onloads()
-    src = cat_pages([first, second])
+    src = concat_pages([first, second])
     bits = lambda t: t.contiguous().view(torch.uint8)  # random bits: NaNs compare by bits
     for layer in range(NUM_LAYERS):
         k, v = pool.k_cache(layer)[list(pages)].cpu(), pool.v_cache(layer)[list(pages)].cpu()

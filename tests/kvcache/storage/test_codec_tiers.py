@@ -3,10 +3,10 @@ stored per entry (a tier configured with another codec still decodes it), bytes 
 import pytest
 import torch
 
-from helpers import cat_pages, unique_namespace
+from helpers import unique_namespace
 from kvcache import DiskHostStorage, PageLayout
 from kvcache.codecs import get_codec
-from kvcache.page_data import empty_pages
+from kvcache.page_data import concat_pages, decoded, empty_pages
 from kvcache.storage.encoded_memory_tier import EncodedMemoryStorage
 from kvcache.storage.redis_tier import RedisHostStorage
 
@@ -66,11 +66,11 @@ def test_incremental_round_trip_decodes_what_was_encoded(make_tier, codec):
         length += new
         pages = _pages(-(-length // 4) - first, visit)
         assert tier.write(7, 0, length, first, lambda dst, p=pages: dst.copy_(p)).stored
-        held = cat_pages([held[:first], pages])
+        held = concat_pages([held[:first], pages])
         got = tier.read(7)
         assert got.entry == (0, length, b"")
         want = _expected(codec, held)
-        assert torch.equal(got.pages.kv, want.kv) and torch.equal(got.pages.times, held.times)
+        assert torch.equal(decoded(got.pages).kv, want.kv) and torch.equal(decoded(got.pages).times, held.times)
     if codec != "zstd":  # fixed-size encodings: the bytes counted are the encoded ones (sparse: pages alike)
         raw_bytes = held.num_pages * LAYOUT.page_nbytes
         assert tier.bytes_used < raw_bytes / 2
@@ -85,14 +85,14 @@ def test_an_entry_is_read_with_the_codec_that_wrote_it(make_tier, kind):
     writer.close()
     reader = make_tier("zstd")  # the same directory / namespace, configured with another codec
     got = reader.read(5)
-    assert torch.equal(got.pages.kv, _expected("int8", pages).kv)
+    assert torch.equal(decoded(got.pages).kv, _expected("int8", pages).kv)
     # continuing it rewrites the entry whole in the reader's codec: no entry mixes encodings
     more = _pages(2, 2)  # pages 2 and 3 of 13 tokens
     assert reader.write(5, 0, 13, 2, lambda dst: dst.copy_(more)).stored
     got = reader.read(5)
-    want = cat_pages([_expected("int8", pages)[:2], more])
-    assert torch.equal(got.pages.kv, want.kv)
-    assert torch.equal(got.pages.times, cat_pages([pages[:2], more]).times)
+    want = concat_pages([_expected("int8", pages)[:2], more])
+    assert torch.equal(decoded(got.pages).kv, want.kv)
+    assert torch.equal(decoded(got.pages).times, concat_pages([pages[:2], more]).times)
 
 
 def test_a_write_that_does_not_fit_encoded_changes_nothing(tmp_path):
@@ -121,3 +121,28 @@ def test_copy_users_puts_each_user_in_the_destinations_encoded_tier():
             assert torch.equal(dst.read_times(u), src.read_times(u))
             for held, copied in zip(src.read_kv(u, 1), dst.read_kv(u, 1)):  # K, then V: int8 of them
                 assert 0 < float((copied - held).abs().max()) < 0.05 * float(held.abs().max())
+
+
+@pytest.mark.parametrize("codec", ["bf16", "zstd"])
+def test_memory_tier_keeps_write_parts_and_merges_them(codec):
+    """Every incremental write adds an encoded part; past MAX_PARTS they are merged. Reads (whole, or
+    any page range the pool asks for) decode to what was written, across parts and merges."""
+    from kvcache.storage.encoded_memory_tier import MAX_PARTS
+
+    tier = _tier("memory", codec, None)
+    held, length = _pages(0, 0), 0
+    for visit in range(MAX_PARTS + 4):
+        first = length // LAYOUT.page_size
+        length += 3
+        pages = _pages(LAYOUT.num_pages(length) - first, visit)
+        assert tier.write(7, 0, length, first, lambda dst, p=pages: dst.copy_(p)).stored
+        held = concat_pages([held[:first], pages])
+        got = tier.read(7).pages
+        want = _expected(codec, held)
+        assert torch.equal(got.decode().kv, want.kv) and torch.equal(got.decode().times, held.times)
+        n = got.num_pages
+        for start, stop in {(0, n), (n // 3, n), (min(1, n - 1), n - 1)}:
+            out = empty_pages(LAYOUT, stop - start)
+            got.page_range(start, stop).decode_into(out)
+            assert torch.equal(out.kv, want.kv[start:stop]) and torch.equal(out.times, held.times[start:stop])
+        assert len(tier._users.get(7).parts) <= MAX_PARTS

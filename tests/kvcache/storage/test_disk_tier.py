@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from helpers import DISK_RESTART_CFG as CFG
-from helpers import TINY_LAYOUT_ARGS, cat_pages, host_pages, pages_equal, subprocess_env
+from helpers import TINY_LAYOUT_ARGS, host_pages, pages_equal, subprocess_env
 from kvcache import DiskHostStorage, HostEntry, KVCacheConfig, KVCacheManager, PageLayout
+from kvcache.page_data import concat_pages
 from kvcache.testing import append_batch, expected_kv, new_token_kv, serve, token_kv
 
 HERE = Path(__file__).resolve().parent
@@ -50,7 +51,7 @@ def test_round_trip_incremental_and_after_restart(tmp_path, page_size, dtype):
         length += new
         pages = _pages(layout.num_pages(length) - first, visit, layout)
         assert s.write(7, 10, length, first, _fill(pages), tag=f"v{visit}".encode()).stored
-        held = cat_pages([held[:first], pages])
+        held = concat_pages([held[:first], pages])
         hp = s.read(7)
         assert hp.entry == HostEntry(10, length, f"v{visit}".encode())
         assert pages_equal(hp.pages, held)  # bit-identical

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from helpers import TINY_LAYOUT_ARGS, cat_pages, host_pages, pages_equal
+from helpers import TINY_LAYOUT_ARGS, host_pages, pages_equal
 from kvcache import HostEntry, InMemoryHostStorage, LFUPolicy, LRUPolicy, PageLayout
+from kvcache.page_data import concat_pages
 
 LAYOUT = PageLayout(**TINY_LAYOUT_ARGS)
 PAGE = LAYOUT.page_nbytes  # 2 * 2 * 4 * 1 * 2 * 4 = 128 bytes
@@ -31,7 +32,7 @@ def test_write_read_incremental_rewrites_last_partial_page():
     assert s.write(7, 10, 12, 1, _fill(new)).stored  # page 1 rewritten, page 2 new
     hp = s.read(7)
     assert (hp.start_pos, hp.length) == (10, 12)
-    assert pages_equal(hp.pages, cat_pages([_pages(1, 1), new]))
+    assert pages_equal(hp.pages, concat_pages([_pages(1, 1), new]))
 
 
 def test_write_from_page_zero_replaces_the_entry():
@@ -169,7 +170,7 @@ def test_a_grown_user_keeps_its_pages_when_the_free_room_is_fragmented():
     # 2 grows to 2 contiguous pages: two pages are free, but apart, so the least recently used goes
     result = s.write(2, 0, 8, 1, _fill(_pages(1, 9)))
     assert result.stored and [u for u, _ in result.evicted] == [1]
-    assert pages_equal(s.read(2).pages, cat_pages([_pages(1, 2), _pages(1, 9)]))
+    assert pages_equal(s.read(2).pages, concat_pages([_pages(1, 2), _pages(1, 9)]))
     assert pages_equal(s.read(3).pages, _pages(1, 3))
 
 

@@ -10,7 +10,7 @@ import redis
 import torch
 
 from helpers import REPO_ROOT as ROOT
-from helpers import TINY_LAYOUT_ARGS, cat_pages, host_pages, pages_equal, unique_namespace
+from helpers import TINY_LAYOUT_ARGS, host_pages, pages_equal, unique_namespace
 from kvcache import (
     FailOpenStorage,
     HostEntry,
@@ -22,6 +22,7 @@ from kvcache import (
     TierDataError,
     TieredHostStorage,
 )
+from kvcache.page_data import concat_pages
 from kvcache.storage.redis_tier import RedisHostStorage
 from kvcache.testing import expected_kv, expected_times, serve
 
@@ -75,7 +76,7 @@ def test_incremental_write_sends_only_new_pages_and_keeps_the_rest(redis_server)
     assert len(keys) == 4 and set(kept) < set(keys)  # pages 0, 1 were not sent again (their keys name the first write)
     hp = s.read(7)
     assert hp.entry == HostEntry(10, 16, b"b")
-    assert pages_equal(hp.pages, cat_pages([first[:2], new]))
+    assert pages_equal(hp.pages, concat_pages([first[:2], new]))
     assert s.bytes_used == 4 * PAGE
 
 

@@ -3,7 +3,7 @@ KVCacheConfig."""
 import pytest
 import torch
 
-from helpers import TINY_LAYOUT_ARGS, cat_pages, host_pages, pages_equal
+from helpers import TINY_LAYOUT_ARGS, host_pages, pages_equal
 from kvcache import (
     DiskHostStorage,
     FailOpenStorage,
@@ -16,6 +16,7 @@ from kvcache import (
     TieredHostStorage,
     build_host_storage,
 )
+from kvcache.page_data import concat_pages
 from kvcache.testing import append_batch, expected_kv, new_token_kv, serve, token_kv
 
 LAYOUT = PageLayout(**TINY_LAYOUT_ARGS)
@@ -102,7 +103,7 @@ def test_writes_go_through_incrementally_and_drop_drops_everywhere():
     assert upper.writes == lower.writes == [(1, 0, 2), (1, 1, 3)]  # only the new pages, in both
     for tier in (upper, lower):
         hp = tier.read(1)
-        assert hp.entry == (0, 10, b"t2") and pages_equal(hp.pages, cat_pages([_pages(1, 1), _pages(2, 2)]))
+        assert hp.entry == (0, 10, b"t2") and pages_equal(hp.pages, concat_pages([_pages(1, 1), _pages(2, 2)]))
     assert (chain.bytes_used, chain.capacity_bytes, chain.num_users) == (upper.bytes_used, 16 * PAGE, 1)
     assert chain.drop(1) and upper.info(1) is None and lower.info(1) is None and not chain.drop(1)
 
@@ -134,7 +135,7 @@ def test_a_tier_that_fell_behind_is_brought_up_to_date_from_one_that_holds_the_e
     result = chain.write(1, 0, 10, 1, _fill(_pages(2, 3)))  # continues the entry the lower tier holds
     assert result.stored and [u for u, _ in result.evicted] == [2]  # the first tier's evictions
     assert lower.writes[-1] == (1, 1, 3) and upper.writes[-1] == (1, 0, 3)  # new pages / whole entry
-    expected = cat_pages([_pages(1, 1), _pages(2, 3)])
+    expected = concat_pages([_pages(1, 1), _pages(2, 3)])
     assert pages_equal(upper.read(1).pages, expected) and pages_equal(lower.read(1).pages, expected)
     # A tier holding some other entry than the one continued is dropped when nothing can bring it up to date.
     lower.write(3, 0, 4, 0, _fill(_pages(1, 4)))

@@ -1,0 +1,54 @@
+"""The device pool decodes pages read from an encoded tier straight into its pages, whatever page ids
+they get, and hands pages back out lowest first so that a user's pages stay runs."""
+import numpy as np
+import pytest
+import torch
+
+from kvcache import PageLayout
+from kvcache.page_data import decoded, empty_pages
+from kvcache.pool import DevicePagePool
+from kvcache.storage.tier_codec import TierCodec
+
+LAYOUT = PageLayout(num_layers=2, num_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
+
+
+def _encoded(codec: str, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    pages = empty_pages(LAYOUT, n)
+    pages.kv.copy_(torch.randn(pages.kv.shape, generator=g))
+    pages.times.copy_(torch.randint(0, 1 << 40, pages.times.shape, generator=g))
+    tier_codec = TierCodec(codec)
+    encoded = tier_codec.encode(LAYOUT, pages)
+    return tier_codec.deferred(LAYOUT, [encoded.page_range(0, n // 2), encoded.page_range(n // 2, n)])
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8", "mixed", "zstd"])
+@pytest.mark.parametrize("page_ids", [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [7, 2, 3, 9, 10, 0]],
+                         ids=["run", "descending", "scattered"])
+def test_copy_in_decodes_into_any_pages(codec, page_ids):
+    src = _encoded(codec, len(page_ids), seed=len(codec))
+    pool = DevicePagePool(LAYOUT, num_pages=12, device=torch.device("cpu"))
+    pool.copy_in([(page_ids, src)])
+    want = decoded(src)
+    idx = torch.tensor(page_ids)
+    assert torch.equal(pool.kv[:, :, idx].permute(2, 0, 1, 3, 4, 5), want.kv)
+    assert torch.equal(pool.times[idx], want.times)
+    untouched = torch.tensor(sorted(set(range(13)) - set(page_ids)))
+    assert not pool.kv[:, :, untouched].any() and not pool.times[untouched].any()
+
+
+def test_freed_pages_come_back_lowest_first_in_runs():
+    pool = DevicePagePool(LAYOUT, num_pages=16, device=torch.device("cpu"))
+    a, b = pool.alloc(5), pool.alloc(5)
+    assert list(a) == [0, 1, 2, 3, 4] and list(b) == [5, 6, 7, 8, 9]
+    pool.free(array_of([9, 5, 7, 6, 8]))  # in any order
+    pool.free(a)
+    again = list(pool.alloc(10))
+    assert again == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert np.all(np.diff(again) == 1)
+
+
+def array_of(ids):
+    from array import array
+
+    return array("q", ids)
