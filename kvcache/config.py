@@ -75,6 +75,7 @@ class KVCacheConfig:
     `redis_ttl_seconds` after their last use. A tier call taking longer than `tier_timeout_s`
     (None: no bound) is abandoned and served as a miss. `kv_codec` (a spec of `kvcache.codecs`)
     encodes the pages every host tier stores; the default, `raw`, stores them exact and as they are.
+    `stage_offloads` (None: on CUDA) gathers the pages of users offloaded together in one copy.
     """
 
     num_layers: int
@@ -95,6 +96,13 @@ class KVCacheConfig:
     redis_ttl_seconds: int | None = None
     tier_timeout_s: float | None = 0.5
     kv_codec: str = "raw"
+    stage_offloads: bool | None = None
+
+    @property
+    def stages_offloads(self) -> bool:
+        """Offloads that happen together leave the device in one gather and copy (kvcache/offload_staging.py):
+        `stage_offloads`, or by default on CUDA, where it saves a host wait per user."""
+        return self.device.type == "cuda" if self.stage_offloads is None else self.stage_offloads
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim", "page_size", "num_pages"):
@@ -118,6 +126,8 @@ class KVCacheConfig:
             )
         if not isinstance(self.async_offload, bool):
             raise ValueError(f"KVCacheConfig.async_offload must be a bool, got {self.async_offload!r}.")
+        if self.stage_offloads is not None and not isinstance(self.stage_offloads, bool):
+            raise ValueError(f"KVCacheConfig.stage_offloads must be a bool or None, got {self.stage_offloads!r}.")
         self._check_tiers()
         self._check_codec()
 

@@ -70,7 +70,8 @@ class KVCacheManager:
         self._closed = False
         self._counters = new_counters()
         self._residency = Residency(
-            self._layout, self._pool, host_storage, self._policy, self._events, self._counters, self._in_flight
+            self._layout, self._pool, host_storage, self._policy, self._events, self._counters, self._in_flight,
+            stage_offloads=config.stages_offloads,
         )
         self._users = self._residency.users
         self._transactions = Transactions(self._residency, self._events, self._counters)
@@ -246,8 +247,7 @@ class KVCacheManager:
             else:
                 users = [u for u in self._refusing(user_id_list, user_ids) if u in self._users]
             if self._worker is None:
-                for u in users:
-                    self._residency.offload(u)
+                self._residency.offload_users(users)
                 self._events.flush()
             else:
                 self._offload_requested.update(users)

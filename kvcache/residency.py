@@ -16,6 +16,7 @@ A user is, at any time, in one of these states:
 """
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
@@ -29,7 +30,8 @@ from .cache_version import FROM_HOST, NOTHING, CacheVersion, Residence
 from .config import PageLayout
 from .events import CacheEvents
 from .metadata import token_slots
-from .page_data import decoded
+from .offload_staging import OffloadStaging, OffloadWrite, plan_offload
+from .page_data import PageData, decoded
 from .policy import EvictionPolicy
 from .pool import DevicePagePool
 from .storage import HostEntry, HostKVStorage, HostPages
@@ -66,7 +68,7 @@ class Residency:
 
     def __init__(
         self, layout: PageLayout, pool: DevicePagePool, host: HostKVStorage, policy: EvictionPolicy,
-        events: CacheEvents, counters: dict[str, int], in_flight: set[int],
+        events: CacheEvents, counters: dict[str, int], in_flight: set[int], stage_offloads: bool = False,
     ) -> None:
         self.layout = layout
         self.pool = pool
@@ -77,6 +79,7 @@ class Residency:
         self.in_flight = in_flight  # the manager's: users with a prepare pending
         self.users: dict[int, Resident] = {}
         self.offload_requested: set[int] = set()  # async offloads not yet run
+        self.staging = OffloadStaging(layout, pinned=pool.device.type == "cuda") if stage_offloads else None
 
     def cached_entry(self, u: int) -> HostEntry:
         """What is reusable for the user: the device's committed tokens, else the host's entry, else (0, 0)."""
@@ -193,8 +196,9 @@ class Residency:
             if u not in batch and u not in self.in_flight:
                 victims.append(u)
                 free += len(self.users[u].pages)
+        self.offload_users(victims, protect)
         for u in victims:
-            self.evict(u, offload=True, protect=protect)
+            self.evict(u, offload=False, protect=protect)
 
     def evict(self, u: int, offload: bool, protect: Collection[int] = ()) -> None:
         """Drop a resident user from the device, offloading first if asked (or if an async offload is pending)."""
@@ -244,47 +248,55 @@ class Residency:
         return res
 
     def offload(self, u: int, protect: Collection[int] = ()) -> None:
-        """Make the host hold exactly the user's committed device data, writing only what it lacks.
+        self.offload_users([u], protect)
 
-        Incremental only on top of the entry this manager wrote or onloaded (`synced`): a shared tier
-        may hold a same-start entry of another history (another node), whose pages must not be kept.
-        Nothing is written when a shared tier holds an entry of another writer that reaches further
-        into the user's history: another node served the user since, and the device copy is a stale
-        prefix of what the tier holds (`superseded_offloads`).
-        """
+    def offload_users(self, user_ids: Sequence[int], protect: Collection[int] = ()) -> None:
+        """Make the host hold exactly each user's committed device data, writing only what it lacks
+        (`plan_offload`, kvcache/offload_staging.py). With staging (on CUDA) the users' pages leave the
+        device together."""
+        planned = [w for w in map(self._plan_offload, user_ids) if isinstance(w, OffloadWrite)]
+        staged: dict[int, tuple[int, PageData]] = {}  # user -> (first page staged, its staged pages)
+        if planned:
+            self.pool.sync_onloads()  # the tier may rewrite host memory an onload still reads
+        if self.staging is not None and planned:
+            buffer = self.staging.take(sum(len(w.pages) for w in planned))
+            self.pool.copy_out(array("q", [p for w in planned for p in w.pages]), buffer)
+            starts = np.cumsum([0] + [len(w.pages) for w in planned]).tolist()
+            staged = {w.user_id: (w.first_page, buffer[a:b]) for w, (a, b) in zip(planned, itertools.pairwise(starts))}
+        for u in user_ids:
+            self._write_offload(u, staged.get(u), protect)
+
+    def _write_offload(self, u: int, staged: tuple[int, PageData] | None, protect: Collection[int]) -> None:
+        """Offload one user, planned again now: an earlier write of the same call may have evicted its
+        host entry, and then its whole history is written, past what was staged."""
         self.offload_requested.discard(u)
-        res = self.users.get(u)
-        if res is None or res.length == 0:
-            return
-        h = self.host.info(u)
-        ours = HostEntry(res.start_pos, res.length, res.tag)
-        if h == ours:
-            res.synced = ours
-            return
-        if h is not None and h != res.synced and h.start_pos + h.length > res.start_pos + res.length:
+        w = self._plan_offload(u)
+        if w == "superseded":
             self._counters["superseded_offloads"] += 1
+        if not isinstance(w, OffloadWrite):
             return
-        num_pages = self.layout.num_pages(res.length)
-        if h is not None and h == res.synced:
-            # Rewrite the partial last page, then the new ones (the last page alone for a new tag).
-            first = min(h.length // self.layout.page_size, num_pages - 1)
+        res = w.resident
+        if staged is not None and staged[0] <= w.first_page:
+            pages = staged[1][w.first_page - staged[0] :]
+            fill = lambda dst, pages=pages: dst.copy_(pages)
         else:
-            first = 0
-        pages = res.pages[first:num_pages]
-        self.pool.sync_onloads()  # the tier may rewrite host memory an onload still reads
-        result = self.host.write(
-            u, res.start_pos, res.length, first, lambda dst: self.pool.copy_out(pages, dst),
-            protect=protect, tag=res.tag,
-        )
+            fill = lambda dst: self.pool.copy_out(w.pages, dst)
+        result = self.host.write(u, res.start_pos, res.length, w.first_page, fill, protect=protect, tag=res.tag)
         if result.stored:
-            res.synced = ours
-            self._counters["offloaded_bytes"] += len(pages) * self.layout.page_nbytes
+            res.synced = HostEntry(res.start_pos, res.length, res.tag)
+            self._counters["offloaded_bytes"] += len(w.pages) * self.layout.page_nbytes
         else:
             self._counters["host_rejected_writes"] += 1
         self._counters["host_evictions"] += len(result.evicted)
         for v, _ in result.evicted:
             if v not in self.users:
                 self._events.gone(v)
+
+    def _plan_offload(self, u: int) -> OffloadWrite | str:
+        res = self.users.get(u)
+        if res is None or res.length == 0:
+            return "nothing"
+        return plan_offload(u, res, self.host.info(u), self.layout)
 
 
 def _span(entry: HostEntry | None) -> tuple[int, int] | None:

@@ -95,9 +95,11 @@ def test_small_pool_large_host_never_loses_data(policy):
     mgr.check_invariants()
 
 
-def test_small_host_loses_only_whole_users_and_returns_nothing_stale():
+@pytest.mark.parametrize("stage_offloads", [False, True], ids=["one_by_one", "staged"])
+def test_small_host_loses_only_whole_users_and_returns_nothing_stale(stage_offloads):
+    """Staged: a user's write may evict the host entry a later user of the same offload was planned on."""
     page_nbytes = _config().page_layout.page_nbytes
-    mgr = KVCacheManager(_config(num_pages=40, host_capacity_bytes=20 * page_nbytes))
+    mgr = KVCacheManager(_config(num_pages=40, host_capacity_bytes=20 * page_nbytes, stage_offloads=stage_offloads))
     hist = _replay(mgr, num_users=30, visits=200, seed=1)
     stats = mgr.stats()
     assert stats.host_evictions > 0 and stats.host_bytes_used <= 20 * page_nbytes
@@ -199,6 +201,40 @@ def test_async_offload_matches_sync():
     for u in data_sync:
         for a, b in zip(data_sync[u], data_async[u]):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_staged_offloads_match_one_user_at_a_time(monkeypatch):
+    """Offloads staged together (one gather and copy for the users of a call or of an eviction, as on
+    CUDA) leave every tier and counter as offloading one user at a time does."""
+    from kvcache.pool import DevicePagePool
+
+    copies = []
+    copy_out = DevicePagePool.copy_out
+    monkeypatch.setattr(DevicePagePool, "copy_out", lambda self, pages, dst: copies.append(len(pages)) or
+                        copy_out(self, pages, dst))
+    results = []
+    for staged in (False, True):
+        copies.clear()
+        mgr = KVCacheManager(_config(num_pages=40, stage_offloads=staged))
+        assert (mgr._residency.staging is not None) == staged
+        hist = _replay(mgr, num_users=16, visits=80, seed=3, offload_every=2)
+        mgr.offload_kv_cache()
+        mgr.evict_kv_cache()
+        data = {u: [t for layer in range(LAYERS) for t in mgr.read_kv(u, layer)] + [mgr.read_times(u)] for u in hist}
+        results.append((mgr.stats(), data, list(copies)))
+        mgr.close()
+    (stats_one, data_one, copies_one), (stats_staged, data_staged, copies_staged) = results
+    assert stats_one == stats_staged and stats_one.device_evictions > 0
+    for u in data_one:
+        assert all(torch.equal(a, b) for a, b in zip(data_one[u], data_staged[u]))
+    assert sum(copies_one) == sum(copies_staged)  # the same pages left the device
+    assert len(copies_staged) < len(copies_one) / 2  # in far fewer copies
+
+
+def test_stage_offloads_defaults_to_cuda_and_is_checked():
+    assert not _config().stages_offloads and _config(stage_offloads=True).stages_offloads
+    with pytest.raises(ValueError, match="stage_offloads"):
+        _config(stage_offloads="yes")
 
 
 def test_async_worker_does_not_keep_the_manager_alive():

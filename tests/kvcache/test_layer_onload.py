@@ -141,3 +141,24 @@ def test_an_offload_waits_for_the_onload_and_a_replay_for_every_layer():
         torch.cuda.synchronize()
         assert torch.equal(snapshot, mgr._pool.kv)
         _assert_holds(mgr, [1], 0, 30)
+
+
+@cuda_only
+def test_cuda_offloads_of_a_batch_leave_in_one_staged_copy(monkeypatch):
+    """On CUDA the users offloaded together leave the device in one gather and copy (one host wait),
+    into pinned staging, and every tier holds what the device held."""
+    mgr = KVCacheManager(_config("cuda", eviction_policy="lru"))
+    assert mgr._residency.staging is not None and mgr._residency.staging.pinned
+    users = list(range(8))
+    serve(mgr, users, [0] * 8, [9] * 8)
+    copies = []
+    copy_out = DevicePagePool.copy_out
+    monkeypatch.setattr(DevicePagePool, "copy_out", lambda self, pages, dst: copies.append(len(pages)) or
+                        copy_out(self, pages, dst))
+    mgr.offload_kv_cache()
+    assert copies == [8 * 3]  # 9 tokens = 3 pages a user, one copy for all
+    mgr.evict_kv_cache()
+    _assert_holds(mgr, users, 0, 9)  # read back from the host tier
+    serve(mgr, users, [9] * 8, [2] * 8)  # onloaded, then 2 more tokens
+    _assert_holds(mgr, users, 0, 11)
+    mgr.close()
