@@ -1,0 +1,119 @@
+"""How far can a lossless codec shrink a trained model's K/V? Entropy against what zstd achieves.
+
+    python benchmark/kv_entropy.py --data_dir artifacts/synthetic/processed \\
+        --checkpoint artifacts/synthetic/checkpoint --max_requests 300 --output kv_entropy.json
+
+Replays the first visits from the split date through a KV cache large enough to keep every user,
+then reads every page the cache holds. Partly filled last pages are left out (their zero slots
+compress for free and would flatter any codec), so the figures are those of a long history. For
+the pages as the model stored them (fp32 here) and rounded to bf16 (what a bf16-serving model
+stores), it reports:
+
+- the order-0 entropy of each value's sign and exponent, and of its leading mantissa byte; the
+  remaining mantissa bits count as incompressible. Bits per value over that sum bounds what a coder
+  of independent values can reach (`order0_bound`);
+- what the `zstd` codec (byte-plane shuffle, zstd per page) stores, per page as the tiers store it.
+
+A lossless ratio above the bound needs structure across values (neighbouring tokens, heads or
+layers), which per-page zstd finds little of in trained K/V.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from inference_end2end_example import cache_config, load_model, working_set_pages
+
+from data.dataset import InferenceDataset
+from kvcache import KVCacheManager, PageLayout
+from kvcache.codecs import get_codec
+from kvcache.page_data import PageData
+from model.checkpoint import model_fingerprint
+from model.inference import InferenceSession
+from model.replay import replay
+from model.train import DEFAULT_SPLIT_DATE, date_to_ms
+
+
+def entropy_bits(values: np.ndarray) -> float:
+    counts = np.bincount(values.ravel())
+    p = counts[counts > 0] / values.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def order0_bound(values: torch.Tensor) -> dict[str, float]:
+    """Entropy of sign + exponent and of the leading mantissa byte of float32 or bf16 values."""
+    bits = values.element_size() * 8
+    words = values.contiguous().view(torch.int32 if bits == 32 else torch.int16).numpy().astype(np.int64)
+    words &= (1 << bits) - 1
+    mantissa_bits = bits - 9
+    sign_exponent = entropy_bits(words >> mantissa_bits)
+    leading = min(8, mantissa_bits)
+    lead_mantissa = entropy_bits((words >> (mantissa_bits - leading)) & ((1 << leading) - 1))
+    bits_per_value = sign_exponent + lead_mantissa + (mantissa_bits - leading)
+    return {"bits": bits, "sign_exponent_bits": sign_exponent, "leading_mantissa_bits": lead_mantissa,
+            "leading_mantissa_width": leading, "bits_per_value": bits_per_value, "order0_bound": bits / bits_per_value}
+
+
+def full_pages(cache: KVCacheManager, user_ids: np.ndarray) -> torch.Tensor:
+    """The K/V of every full page of the users' cached tokens, [k, L, 2, S, H, D] (through `read_kv`)."""
+    layout = cache.config.page_layout
+    pages = []
+    for u in user_ids.tolist():
+        per_layer = [torch.stack(cache.read_kv(u, layer)) for layer in range(layout.num_layers)]  # [2, n, H, D]
+        n = per_layer[0].shape[1] // layout.page_size * layout.page_size
+        kv = torch.stack(per_layer)[:, :, :n]  # [L, 2, n, H, D]
+        pages.append(kv.unflatten(2, (-1, layout.page_size)).permute(2, 0, 1, 3, 4, 5))
+    return torch.cat(pages)
+
+
+def zstd_ratio(layout: PageLayout, kv: torch.Tensor) -> float:
+    """Raw page bytes over what the zstd codec stores for these pages (times zero: they are not the question)."""
+    pages = PageData(kv, torch.zeros(kv.shape[0], layout.page_size, dtype=torch.int64))
+    return kv.shape[0] * layout.page_nbytes / get_codec("zstd").encode(layout, pages).nbytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data_dir", required=True)
+    p.add_argument("--checkpoint", default=None, help="model.train output (omit: a random-init --preset model)")
+    p.add_argument("--preset", default="demo", help="the random-init model's preset (without --checkpoint)")
+    p.add_argument("--max_requests", type=int, default=300)
+    p.add_argument("--from_date", type=int, default=DEFAULT_SPLIT_DATE)
+    p.add_argument("--output", default="kv_entropy.json")
+    args = p.parse_args(argv)
+    # the fields load_model and cache_config read, as inference_end2end_example.py defaults them
+    args.device, args.dtype, args.seed, args.batch_size = "cpu", "float32", 0, 8
+    args.kv_pages, args.host_capacity, args.async_offload, args.kv_tier, args.kv_codec = None, None, False, "memory", "raw"
+    dataset = InferenceDataset(args.data_dir)
+    model = load_model(args, dataset)
+    indices = dataset.request_indices(from_time_ms=date_to_ms(args.from_date), max_requests=args.max_requests)
+    pages_needed, largest = working_set_pages(model, dataset, indices, model.config.page_size)
+    fingerprint = model_fingerprint(model)
+    config = cache_config(args, model, pages_needed, largest, model.config.page_size, fingerprint)
+    with KVCacheManager(dataclasses.replace(config, num_pages=pages_needed + args.batch_size * largest)) as cache:
+        session = InferenceSession(model, dataset, kv_cache=cache, model_fingerprint=fingerprint)
+        replay(session, list(dataset.batches(indices, args.batch_size)), "replay", progress=False)
+        kv = full_pages(cache, np.unique(dataset.requests.user_id[indices]))
+        layout = cache.config.page_layout
+    rows = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        rows[name] = {**order0_bound(kv.to(dtype)),
+                      "zstd_ratio": zstd_ratio(dataclasses.replace(layout, dtype=dtype), kv.to(dtype))}
+    report = {"checkpoint": args.checkpoint, "num_requests": len(indices), "full_pages": kv.shape[0],
+              "tokens": kv.shape[0] * layout.page_size, "dtypes": rows}
+    Path(args.output).write_text(json.dumps(report, indent=2))
+    print(f"{kv.shape[0]} full pages ({report['tokens']} tokens) of {args.checkpoint}")
+    print(f"{'K/V dtype':<10} {'H(sign+exp)':>11} {'H(lead mant.)':>13} {'bits/value':>10} {'order-0 bound':>13} {'zstd':>6}")
+    for name, r in rows.items():
+        print(f"{name:<10} {r['sign_exponent_bits']:>11.2f} {r['leading_mantissa_bits']:>8.2f} of {r['leading_mantissa_width']}"
+              f" {r['bits_per_value']:>10.2f} {r['order0_bound']:>12.3f}x {r['zstd_ratio']:>5.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
