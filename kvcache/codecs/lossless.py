@@ -1,4 +1,5 @@
-"""ZstdCodec: pages compressed with Zstandard, optionally after byte-plane shuffling. Exact.
+"""ZstdCodec: pages compressed with Zstandard, optionally after byte-plane shuffling. Exact on top of
+the `values` they are stored as: the layout's own dtype (`raw`, exact), or a cast (`bf16`, `fp16`).
 
 Float K/V compress poorly as they are: each value's bytes mix a predictable sign and exponent
 with noisy mantissa bits. Shuffling (the Blosc / HDF5 filter) regroups a page's bytes by their
@@ -7,6 +8,11 @@ long, low-entropy runs that zstd compresses well, while the mantissa planes cost
 size. The shuffle is one tensor transpose over all pages; zstd runs once per page (C code, the
 GIL released) so a page stays one independently decodable row. Times are compressed with the
 page, unshuffled: they are 8 bytes of 32 tokens next to kilobytes of K/V.
+
+Trained fp32 K/V leave zstd little: 23 mantissa bits of each value are noise, and the order-0
+entropy of the rest bounds any coder of single values near 1.24x (docs/kvcache.md, "Lossless on
+trained K/V"). Cast to bf16 first (`values=bf16`), the same values keep 7 mantissa bits, and zstd
+takes another ~1.6x off the cast's 2x, losing nothing beyond the cast.
 """
 from __future__ import annotations
 
@@ -15,18 +21,24 @@ import torch
 import zstandard
 from torch import Tensor
 
-from ..config import PageLayout
-from ..page_data import PageData, blob_pages
+from ..config import TIME_NBYTES, PageLayout
+from ..page_data import PageData
 from .base import EncodedPages, KVCodec
-from .raw import page_blobs
+from .fixed_width import FixedWidthCodec
+from .raw import RawCodec
+from .values import CastValues
+
+CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the `values` a page may be cast to first
 
 
 class ZstdCodec(KVCodec):
-    lossless = True
-
-    def __init__(self, level: int, shuffle: bool) -> None:
+    def __init__(self, level: int, shuffle: bool, values: str = "raw") -> None:
         self.level = level
         self.shuffle = shuffle
+        self.values = values
+        # What zstd compresses: a fixed-width row per page (the raw page blob, or the cast page's row).
+        self._plain = RawCodec() if values == "raw" else FixedWidthCodec(values, [(0, CastValues(values, CASTS[values]))])
+        self.lossless = self._plain.lossless
         # Contexts are reused (allocation per call costs more than small pages' compression);
         # a codec serves one tier, which its manager's lock serialises.
         self._compressor = zstandard.ZstdCompressor(level=level)
@@ -34,48 +46,63 @@ class ZstdCodec(KVCodec):
 
     @property
     def spec(self) -> str:
-        return f"zstd:level={self.level},shuffle={int(self.shuffle)}"
+        base = f"zstd:level={self.level},shuffle={int(self.shuffle)}"
+        return base if self.values == "raw" else f"{base},values={self.values}"  # raw: the spec tiers already store
 
     def encode(self, layout: PageLayout, pages: PageData) -> EncodedPages:
-        blob = page_blobs(layout, pages).blob
+        rows = self._plain.encode(layout, pages).fixed_rows(self._width(layout))
         if self.shuffle:
-            blob = self._shuffled(layout, blob)
-        rows = blob.numpy()
+            rows = self._shuffled(layout, rows)
         compress = self._compressor.compress
-        return EncodedPages.from_rows(self.spec, [np.frombuffer(compress(row), dtype=np.uint8) for row in rows])
+        return EncodedPages.from_rows(self.spec, [np.frombuffer(compress(row), dtype=np.uint8) for row in rows.numpy()])
 
     def decode(self, layout: PageLayout, encoded: EncodedPages) -> PageData:
+        return self._plain.decode(layout, self._plain_rows(layout, encoded))
+
+    def decode_into(self, layout: PageLayout, encoded: EncodedPages, out: PageData) -> None:
+        self._plain.decode_into(layout, self._plain_rows(layout, encoded), out)
+
+    def max_abs_error(self, layout: PageLayout, pages: PageData) -> Tensor:
+        return self._plain.max_abs_error(layout, pages)
+
+    def _width(self, layout: PageLayout) -> int:
+        return layout.page_nbytes if self.values == "raw" else self._plain.page_nbytes(layout)
+
+    def _value_span(self, layout: PageLayout) -> tuple[int, int, int]:
+        """(first byte, bytes, itemsize) of the K/V values in a plain row: what the shuffle regroups."""
+        if self.values == "raw":
+            return 0, layout.kv_nbytes, layout.dtype.itemsize
+        item = CASTS[self.values].itemsize
+        return layout.page_size * TIME_NBYTES, layout.kv_nbytes // layout.dtype.itemsize * item, item
+
+    def _plain_rows(self, layout: PageLayout, encoded: EncodedPages) -> EncodedPages:
+        """The fixed-width rows `encoded` compresses, [k, width] (decompressed, unshuffled)."""
         self.check_spec(encoded)
-        out = blob_pages(layout, encoded.num_pages)
-        dst = torch.empty_like(out.blob) if self.shuffle else out.blob
-        plain = dst.numpy()
+        width = self._width(layout)
+        with torch.inference_mode(False):
+            rows = torch.empty((encoded.num_pages, width), dtype=torch.uint8)
+        plain = rows.numpy()
         decompress = self._decompressor.decompress
         for i, row in enumerate(encoded.rows()):
-            page = decompress(row, max_output_size=layout.page_nbytes)
-            if len(page) != layout.page_nbytes:
+            page = decompress(row, max_output_size=width)
+            if len(page) != width:
                 raise ValueError(f"Codec {self.spec}: page {i} decompresses to {len(page)} bytes, "
-                                 f"expected {layout.page_nbytes}; the stored bytes are not this codec's.")
+                                 f"expected {width}; the stored bytes are not this codec's.")
             plain[i] = np.frombuffer(page, dtype=np.uint8)
         if self.shuffle:
-            self._unshuffle_into(layout, dst, out.blob)
+            rows = self._unshuffled(layout, rows)
+        return EncodedPages.from_fixed(self._plain.spec, rows)
+
+    def _shuffled(self, layout: PageLayout, rows: Tensor) -> Tensor:
+        start, nbytes, item = self._value_span(layout)
+        out = rows.clone()
+        values = rows[:, start : start + nbytes].view(rows.shape[0], nbytes // item, item)
+        out[:, start : start + nbytes].view(rows.shape[0], item, nbytes // item).copy_(values.transpose(1, 2))
         return out
 
-    @staticmethod
-    def _planes(layout: PageLayout, blob: Tensor) -> Tensor:
-        """[k, itemsize, values] view of the K/V bytes of shuffled blob rows."""
-        item = layout.dtype.itemsize
-        return blob[:, : layout.kv_nbytes].view(blob.shape[0], item, layout.kv_nbytes // item)
-
-    def _shuffled(self, layout: PageLayout, blob: Tensor) -> Tensor:
-        item = layout.dtype.itemsize
-        out = torch.empty_like(blob)
-        values = blob[:, : layout.kv_nbytes].view(blob.shape[0], layout.kv_nbytes // item, item)
-        self._planes(layout, out).copy_(values.transpose(1, 2))
-        out[:, layout.kv_nbytes :] = blob[:, layout.kv_nbytes :]
+    def _unshuffled(self, layout: PageLayout, shuffled: Tensor) -> Tensor:
+        start, nbytes, item = self._value_span(layout)
+        out = shuffled.clone()
+        planes = shuffled[:, start : start + nbytes].view(shuffled.shape[0], item, nbytes // item)
+        out[:, start : start + nbytes].view(shuffled.shape[0], nbytes // item, item).copy_(planes.transpose(1, 2))
         return out
-
-    def _unshuffle_into(self, layout: PageLayout, shuffled: Tensor, blob: Tensor) -> None:
-        item = layout.dtype.itemsize
-        values = blob[:, : layout.kv_nbytes].view(blob.shape[0], layout.kv_nbytes // item, item)
-        values.copy_(self._planes(layout, shuffled).transpose(1, 2))
-        blob[:, layout.kv_nbytes :] = shuffled[:, layout.kv_nbytes :]

@@ -48,34 +48,32 @@ def blocked_hstu_attention(
     # α is applied to the queries, [T, H, D], rather than to every [QB, KB] score tile (4x the elements at D = 128).
     q_padded = torch.cat([q * alpha, q.new_zeros(1, H, D)])  # row T: what padding query slots read
     q_blocks = q_padded.index_select(0, schedule["block_rows"].reshape(-1)).view(num_blocks, query_block, H, D)
-    # Scores and outputs are head-major, [H, p, QB, KB] and [H, p, QB, D]: each head's matmuls then read the
-    # gathered [p, KB, H, D] keys and values in place (a head's rows are strided matrices BLAS takes as
-    # they are), where a [p, H, ...] batch would first copy every gathered key into a contiguous one.
-    block_out = torch.zeros(H, num_blocks, query_block, D, dtype=acc_dtype, device=q.device)
+    q_blocks = q_blocks.transpose(1, 2)  # [Q, H, QB, D]
+    block_out = torch.zeros(num_blocks, H, query_block, D, dtype=acc_dtype, device=q.device)
     pairs_per_chunk = max(1, MAX_SCORE_ELEMENTS // (H * query_block * key_block))
     grad = torch.is_grad_enabled()
-    # [H, P * (T + 1)]: gathering along dim 1 gives each head's [p, QB, KB] tiles contiguous.
+    # [H, P * (T + 1)]: gathering along dim 1 gives each head's [QB, KB] tile contiguous, so the
+    # add into the [p, H, QB, KB] scores runs over whole tiles (the [pairs, H] layout made it strided).
     table = bias.pair_table().t().contiguous().to(q.dtype) if bias is not None else None
     for first in range(0, num_pairs, pairs_per_chunk):
         chunk = slice(first, first + pairs_per_chunk)
         blocks = schedule["pair_blocks"][chunk]  # [p]
         key_rows = schedule["key_rows"][chunk].reshape(-1)
         p = len(key_rows) // key_block
-        k_pairs = keys.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype)  # [p, KB, H, D]
-        v_pairs = values.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype)  # [p, KB, H, D]
-        q_pairs = q_blocks.index_select(0, blocks)  # [p, QB, H, D], α included
-        scores = _per_head_bmm(q_pairs.permute(2, 0, 1, 3), k_pairs.permute(0, 3, 2, 1), grad)  # [H, p, QB, KB]
+        k_pairs = keys.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype).permute(0, 2, 3, 1)  # [p, H, D, KB]
+        v_pairs = values.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype).transpose(1, 2)  # [p, H, KB, D]
+        scores = torch.matmul(q_blocks.index_select(0, blocks), k_pairs)  # [p, H, QB, KB], α included
         if table is not None:
             index = _pair_index(bias, bias_inputs, schedule, schedule_name, chunk, blocks, key_rows)  # [p, QB, KB]
-            pair_bias = table.index_select(1, index.view(-1)).view(H, p, query_block, key_block)
+            pair_bias = table.index_select(1, index.view(-1)).view(H, p, query_block, key_block).transpose(0, 1)
             scores = scores + pair_bias if grad else scores.add_(pair_bias)
         scores = F.silu(scores, inplace=not grad)
         key_end = schedule["block_key_end"].index_select(0, blocks)  # [p, QB]
-        hidden = schedule["key_positions"][chunk][:, None, :] >= key_end[:, :, None]  # [p, QB, KB]
+        hidden = (schedule["key_positions"][chunk][:, None, :] >= key_end[:, :, None])[:, None]  # [p, 1, QB, KB]
         scores = scores.masked_fill(hidden, 0.0) if grad else scores.masked_fill_(hidden, 0.0)
-        pair_out = _per_head_bmm(scores, v_pairs, grad).to(acc_dtype)  # [H, p, QB, D]
-        block_out = block_out.index_add(1, blocks, pair_out) if grad else block_out.index_add_(1, blocks, pair_out)
-    slots = block_out.permute(1, 2, 0, 3).reshape(num_blocks * query_block, H, D)
+        pair_out = torch.matmul(scores, v_pairs).to(acc_dtype)  # [p, H, QB, D]
+        block_out = block_out.index_add(0, blocks, pair_out) if grad else block_out.index_add_(0, blocks, pair_out)
+    slots = block_out.transpose(1, 2).reshape(num_blocks * query_block, H, D)
     slots = torch.cat([slots, slots.new_zeros(1, H, D)])  # the slot of rows no block covers
     out = slots.index_select(0, schedule["row_source"])  # [T, H, D]
     # M-FALCON: each candidate also sees itself, and no other candidate (never in the key rows).
@@ -86,22 +84,6 @@ def blocked_hstu_attention(
     self_score = F.silu(self_logit)
     out = torch.cat([out[:num_history_rows], out[num_history_rows:] + (self_score * v_c).to(acc_dtype)])
     return (out / normalizer).to(q.dtype)
-
-
-def _per_head_bmm(a: Tensor, b: Tensor, grad: bool) -> Tensor:
-    """[H, p, M, N]: a[h] @ b[:, :, h] for each head h, with a [H, p, M, K] and b [p, K, H, N] (any strides).
-
-    One batched matmul per head (a fixed number, whatever the batch): head h's [p, M, K] and [p, K, N]
-    are strided views that BLAS reads in place. Without autograd the products go straight into the
-    result; with it they are stacked.
-    """
-    heads = a.shape[0]
-    if grad:
-        return torch.stack([torch.bmm(a[h], b[:, :, h]) for h in range(heads)])
-    out = torch.empty((heads, a.shape[1], a.shape[2], b.shape[3]), dtype=a.dtype, device=a.device)
-    for h in range(heads):
-        torch.bmm(a[h], b[:, :, h], out=out[h])
-    return out
 
 
 def _pair_index(bias: RelativeAttentionBias, inputs: BiasInputs, schedule: dict[str, Tensor], schedule_name: str,

@@ -11,7 +11,7 @@ from kvcache.page_data import PageData, empty_pages
 LAYOUT = PageLayout(num_layers=3, num_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
 LOSSLESS = ["raw", "zstd", "zstd:shuffle=0", "zstd:level=1"]
 LOSSY = ["bf16", "fp16", "int8", "int8:mode=affine", "mixed", "mixed:shallow=raw,shallow_layers=2,deep=int8affine",
-         "sparse:keep=50,values=int8"]
+         "sparse:keep=50,values=int8", "zstd:values=bf16", "zstd:values=fp16,shuffle=0"]
 
 
 def _normal_pages(n, seed, scale=1.0, layout=LAYOUT):
@@ -24,7 +24,9 @@ def _normal_pages(n, seed, scale=1.0, layout=LAYOUT):
 
 def test_names_and_canonical_specs():
     assert codec_names() == ["bf16", "fp16", "int8", "mixed", "raw", "sparse", "zstd"]
-    assert get_codec("zstd").spec == "zstd:level=3,shuffle=1"
+    assert get_codec("zstd").spec == "zstd:level=3,shuffle=1"  # what tiers stored before `values` existed
+    assert get_codec("zstd:values=raw").spec == "zstd:level=3,shuffle=1"
+    assert get_codec("zstd:values=bf16").spec == "zstd:level=3,shuffle=1,values=bf16"
     assert get_codec("int8").spec == "int8:mode=sym"
     assert get_codec("mixed:deep=int8,shallow_layers=2").spec == "mixed:deep=int8,shallow=bf16,shallow_layers=2"
     for name in codec_names():  # a canonical spec names the same codec again
@@ -36,7 +38,7 @@ def test_names_and_canonical_specs():
     ("lz9", "Unknown KV codec 'lz9'"), ("", "non-empty"), ("int8:mode", "not key=value"),
     ("int8:mode=cubic", "mode must be one of"), ("zstd:level=99", "level must be in [1, 19]"),
     ("bf16:level=3", "takes parameters none"), ("int8:mode=sym,mode=affine", "given twice"),
-    ("mixed:deep=int4", "deep must be one of"),
+    ("mixed:deep=int4", "deep must be one of"), ("zstd:values=int8", "values must be one of"),
 ])
 def test_bad_specs_are_refused_by_name(spec, problem):
     with pytest.raises(CodecSpecError, match=problem.replace("[", r"\[").replace("]", r"\]")):
@@ -132,3 +134,26 @@ def test_decode_into_strided_output_equals_decode(dtype):
         out = torch.full_like(kv, 7.0)
         values.decode_into(layout, rows, out[:, 1:])
         assert torch.equal(out[:, 1:], values.decode(layout, rows, 2)) and bool((out[:, 0] == 7.0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zstd_on_a_cast_decodes_exactly_what_the_cast_decodes(dtype):
+    """`zstd:values=bf16` is lossless on top of the cast: the same values as `bf16`, into any output."""
+    layout = PageLayout(3, 2, 8, 4, dtype)
+    pages = _normal_pages(5, 11, layout=layout)
+    chained, cast = get_codec("zstd:values=bf16"), get_codec("bf16")
+    want = cast.decode(layout, cast.encode(layout, pages))
+    encoded = chained.encode(layout, pages)
+    assert pages_equal(chained.decode(layout, encoded), want)
+    out = PageData(torch.full_like(pages.kv.transpose(0, 1), 7.0).transpose(0, 1), torch.zeros_like(pages.times))
+    chained.decode_into(layout, encoded, out)
+    assert pages_equal(out, want) and not chained.lossless
+
+
+def test_zstd_on_a_cast_takes_the_exponent_bytes_the_cast_keeps():
+    """Normal values: the cast halves the bytes, and zstd then takes a good part of each value's
+    sign-and-exponent byte, which it cannot do past fp32's 23 noisy mantissa bits as well."""
+    layout = PageLayout(3, 4, 128, 32, torch.float32)
+    pages = _normal_pages(2, 0, layout=layout)
+    sizes = {s: int(get_codec(s).encode(layout, pages).sizes().sum()) for s in ["bf16", "zstd:values=bf16", "zstd"]}
+    assert sizes["zstd:values=bf16"] < sizes["bf16"] / 1.25 and sizes["zstd:values=bf16"] < sizes["zstd"] / 2
