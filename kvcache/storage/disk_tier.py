@@ -8,10 +8,8 @@ Directory (one `DiskHostStorage` per directory at a time, held by an `flock` on 
                                       entry's codec (`kvcache.codecs`; raw: the page blob,
                                       kvcache/page_data.py: K/V, then times)
 
-An index file (little-endian) is `HSTUKVI2`, start_pos i64, length i64, pages u32, tag bytes u32,
-codec spec bytes u32, the tag, the spec, per page the write number naming its file (u64), the
-page's crc32 (u32) and its size (u32), and last the crc32 of everything before. The entry is
-read with the codec its spec names; a write encodes with the tier's codec (`codec`).
+The index file's format is kvcache/storage/disk_format.py's. The entry is read with the codec its
+spec names; a write encodes with the tier's codec (`codec`).
 
 A write puts its pages under fresh names (write numbers only grow, so a committed index never
 refers to a file being written), then the index to a temporary file that replaces the old one
@@ -28,12 +26,9 @@ restart approximately; the byte bound survives it exactly (`bind` evicts down to
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
-import json
 import os
-import struct
 import weakref
 import zlib
 from collections.abc import Collection
@@ -46,15 +41,24 @@ import torch
 from ..codecs import EncodedPages
 from ..config import PageLayout
 from .base import HostEntry, HostPages, HostWriteResult, PageFill
+from .disk_format import (
+    DiskEntry,
+    PageRecords,
+    atomic_write,
+    check_layout,
+    encode_index,
+    fsync_dir,
+    index_nbytes,
+    page_name,
+    read_exact,
+    read_index,
+    unlink,
+    write_file,
+)
 from .lru import BytesBoundedTier, BytesLRU
 from .page_codec import page_crcs
 from .tier_codec import TierCodec, whole_fill
 
-FORMAT = "hstu-kvcache-disk"
-FORMAT_VERSION = 3  # 2: pages carry their tokens' times; 3: pages encoded by a codec named per entry
-_MAGIC = b"HSTUKVI2"
-_HEADER = struct.Struct("<8sqqIII")  # magic, start_pos, length, pages, tag bytes, spec bytes
-_PAGE_RECORD = 16  # u64 write number + u32 crc32 + u32 size
 _SHARDS = 256
 
 
@@ -65,33 +69,6 @@ class RecoveryReport(NamedTuple):
     dropped: int  # entries dropped: unreadable index, or a page file missing or short
     removed_files: int  # temporary files and page files no index referred to
     evicted: int  # users evicted to fit the capacity (it may have shrunk since the last run)
-
-
-class _Entry:
-    __slots__ = ("crcs", "length", "nbytes", "seqs", "sizes", "spec", "start_pos", "tag")
-
-    def __init__(self, start_pos: int, length: int, tag: bytes, spec: str, pages: _PageRecords, nbytes: int):
-        self.start_pos = start_pos
-        self.length = length
-        self.tag = tag
-        self.spec = spec  # the codec that encoded the pages
-        self.seqs = pages.seqs  # [pages] uint64: the write that wrote each page (names its file)
-        self.crcs = pages.crcs  # [pages] uint32
-        self.sizes = pages.sizes  # [pages] uint32: bytes of each page file
-        self.nbytes = nbytes  # page files + index file
-
-    @property
-    def info(self) -> HostEntry:
-        return HostEntry(self.start_pos, self.length, self.tag)
-
-    def records(self, stop: int) -> _PageRecords:
-        return _PageRecords(self.seqs[:stop], self.crcs[:stop], self.sizes[:stop])
-
-
-class _PageRecords(NamedTuple):
-    seqs: np.ndarray  # uint64
-    crcs: np.ndarray  # uint32
-    sizes: np.ndarray  # uint32
 
 
 class DiskHostStorage(BytesBoundedTier):
@@ -122,7 +99,7 @@ class DiskHostStorage(BytesBoundedTier):
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock()
         try:
-            _check_layout(self.directory, layout)
+            check_layout(self.directory, layout)
             super().bind(layout)
             self.recovery = self._recover()
         except BaseException:
@@ -151,8 +128,8 @@ class DiskHostStorage(BytesBoundedTier):
         shard = self._shard(user_id)
         for i, seq in enumerate(e.seqs.tolist()):
             try:
-                with open(shard / _page_name(user_id, i, seq), "rb", buffering=0) as f:
-                    ok = _read_exact(f, rows[i])
+                with open(shard / page_name(user_id, i, seq), "rb", buffering=0) as f:
+                    ok = read_exact(f, rows[i])
             except FileNotFoundError:
                 ok = False
             if not ok or zlib.crc32(rows[i]) != e.crcs[i]:
@@ -183,9 +160,9 @@ class DiskHostStorage(BytesBoundedTier):
         rows = self.codec.fill_and_encode(layout, num_pages - first_page, fill, lambda: self.drop(user_id)).rows()
         sizes = np.fromiter((len(r) for r in rows), dtype=np.uint32, count=len(rows))
         spec = self.codec.spec.encode()
-        index_nbytes = _HEADER.size + len(tag) + len(spec) + _PAGE_RECORD * num_pages + 4
+        index_bytes = index_nbytes(tag, spec, num_pages)
         kept_sizes = old.sizes[:first_page] if first_page else sizes[:0]
-        new_bytes = int(kept_sizes.sum()) + int(sizes.sum()) + index_nbytes
+        new_bytes = int(kept_sizes.sum()) + int(sizes.sum()) + index_bytes
         if new_bytes > self._capacity - self._users.protected_bytes(protect, user_id):
             return HostWriteResult(False, ())
         old_bytes = 0 if old is None else old.nbytes
@@ -198,24 +175,24 @@ class DiskHostStorage(BytesBoundedTier):
         written = []
         try:
             for i, row in enumerate(rows, start=first_page):
-                path = shard / _page_name(user_id, i, seq)
+                path = shard / page_name(user_id, i, seq)
                 written.append(path)
-                _write_file(path, row, self._fsync)
+                write_file(path, row, self._fsync)
             if self._fsync:
-                _fsync_dir(shard)  # the page files' names are durable before the index refers to them
-            records = _PageRecords(np.full(num_pages - first_page, seq, dtype=np.uint64), crcs, sizes)
+                fsync_dir(shard)  # the page files' names are durable before the index refers to them
+            records = PageRecords(np.full(num_pages - first_page, seq, dtype=np.uint64), crcs, sizes)
             if first_page:
-                records = _PageRecords(*(np.concatenate(pair) for pair in zip(old.records(first_page), records)))
-            index = _encode_index(start_pos, length, tag, spec, records)
-            _atomic_write(shard / f"{user_id}.idx", index, self._fsync)  # the commit
+                records = PageRecords(*(np.concatenate(pair) for pair in zip(old.records(first_page), records)))
+            index = encode_index(start_pos, length, tag, spec, records)
+            atomic_write(shard / f"{user_id}.idx", index, self._fsync)  # the commit
         except BaseException:
             for path in written:
-                _unlink(path)
+                unlink(path)
             raise
         if old is not None:
             for i in range(first_page, len(old.seqs)):
-                _unlink(shard / _page_name(user_id, i, int(old.seqs[i])))
-        self._users.put(user_id, _Entry(start_pos, length, tag, self.codec.spec, records, new_bytes), new_bytes)
+                unlink(shard / page_name(user_id, i, int(old.seqs[i])))
+        self._users.put(user_id, DiskEntry(start_pos, length, tag, self.codec.spec, records, new_bytes), new_bytes)
         return HostWriteResult(True, evicted)
 
     def drop(self, user_id: int) -> bool:
@@ -223,9 +200,9 @@ class DiskHostStorage(BytesBoundedTier):
         if e is None:
             return False
         shard = self._shard(user_id)
-        _unlink(shard / f"{user_id}.idx")  # first: a crash now leaves only unreferenced pages
+        unlink(shard / f"{user_id}.idx")  # first: a crash now leaves only unreferenced pages
         for i, seq in enumerate(e.seqs.tolist()):
-            _unlink(shard / _page_name(user_id, i, seq))
+            unlink(shard / page_name(user_id, i, seq))
         return True
 
     # ------------------------------------------------------------------ internals
@@ -259,7 +236,7 @@ class DiskHostStorage(BytesBoundedTier):
     def _recover(self) -> RecoveryReport:
         """Rebuild the index from the files: keep complete, consistent entries; remove the rest."""
         layout = self.layout
-        found: list[tuple[int, int, _Entry]] = []  # (mtime, user, entry)
+        found: list[tuple[int, int, DiskEntry]] = []  # (mtime, user, entry)
         dropped = removed = 0
         max_seq = 0
         for s in range(_SHARDS):
@@ -269,7 +246,7 @@ class DiskHostStorage(BytesBoundedTier):
             with os.scandir(shard) as it:
                 for de in it:
                     if de.name.endswith(".tmp"):
-                        _unlink(Path(de.path))
+                        unlink(Path(de.path))
                         removed += 1
                     elif de.name.endswith(".idx"):
                         indexes.append(de)
@@ -278,11 +255,11 @@ class DiskHostStorage(BytesBoundedTier):
             referenced: set[str] = set()
             for de in indexes:
                 user = _parse_int(de.name[: -len(".idx")])
-                entry = None if user is None or user % _SHARDS != s else _read_index(Path(de.path), layout)
-                names = [] if entry is None else [_page_name(user, i, q) for i, q in enumerate(entry.seqs.tolist())]
+                entry = None if user is None or user % _SHARDS != s else read_index(Path(de.path), layout)
+                names = [] if entry is None else [page_name(user, i, q) for i, q in enumerate(entry.seqs.tolist())]
                 if entry is None or not all(n in pages and pages[n].stat().st_size == size
                                             for n, size in zip(names, entry.sizes.tolist())):
-                    _unlink(Path(de.path))
+                    unlink(Path(de.path))
                     dropped += 1
                     continue
                 referenced.update(names)
@@ -290,7 +267,7 @@ class DiskHostStorage(BytesBoundedTier):
                 max_seq = max(max_seq, int(entry.seqs.max()))
             for name, de in pages.items():
                 if name not in referenced:
-                    _unlink(Path(de.path))
+                    unlink(Path(de.path))
                     removed += 1
         found.sort(key=lambda t: (t[0], int(t[2].seqs.max())))  # mtime, then the last write (coarse clocks)
         self._users = BytesLRU()
@@ -299,115 +276,6 @@ class DiskHostStorage(BytesBoundedTier):
         self._next_seq = max_seq + 1
         evicted = self._evict_to(self._capacity, keep=set())
         return RecoveryReport(len(self._users), dropped, removed, len(evicted))
-
-
-# ---------------------------------------------------------------------- files
-def _layout_record(layout: PageLayout) -> dict:
-    return {
-        "format": FORMAT, "version": FORMAT_VERSION,
-        "num_layers": layout.num_layers, "num_heads": layout.num_heads, "head_dim": layout.head_dim,
-        "page_size": layout.page_size, "dtype": str(layout.dtype).removeprefix("torch."),
-        "page_nbytes": layout.page_nbytes,
-    }
-
-
-def _check_layout(directory: Path, layout: PageLayout) -> None:
-    """Record the layout in a new directory; refuse a directory written with another one."""
-    path = directory / "layout.json"
-    want = _layout_record(layout)
-    if not path.exists():
-        if (directory / "users").exists():
-            raise ValueError(f"{directory} holds KV pages but no layout.json; refusing to guess their layout.")
-        _atomic_write(path, json.dumps(want, indent=1).encode(), fsync=True)
-        return
-    try:
-        have = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is unreadable ({exc}); is {directory} a KV cache directory?") from exc
-    if have != want:
-        raise ValueError(
-            f"{directory} holds KV pages of another layout (another model geometry, page size or dtype): "
-            f"it has {have}, this cache needs {want}. Use another directory (or delete this one)."
-        )
-
-
-def _page_name(user_id: int, page: int, seq: int) -> str:
-    return f"{user_id}_{page}_{seq}.kv"
-
-
-def _encode_index(start_pos: int, length: int, tag: bytes, spec: bytes, pages: _PageRecords) -> bytes:
-    body = b"".join((
-        _HEADER.pack(_MAGIC, start_pos, length, len(pages.seqs), len(tag), len(spec)), tag, spec,
-        pages.seqs.astype("<u8").tobytes(), pages.crcs.astype("<u4").tobytes(), pages.sizes.astype("<u4").tobytes(),
-    ))
-    return body + struct.pack("<I", zlib.crc32(body))
-
-
-def _read_index(path: Path, layout: PageLayout) -> _Entry | None:
-    """The entry an index file describes, or None if it is not a complete, consistent one."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    if len(data) < _HEADER.size + 4 or zlib.crc32(data[:-4]) != struct.unpack("<I", data[-4:])[0]:
-        return None
-    magic, start_pos, length, n, tag_len, spec_len = _HEADER.unpack_from(data)
-    if (magic != _MAGIC or start_pos < 0 or length <= 0 or n != layout.num_pages(length)
-            or len(data) != _HEADER.size + tag_len + spec_len + _PAGE_RECORD * n + 4):
-        return None
-    off = _HEADER.size + tag_len + spec_len
-    tag = data[_HEADER.size : _HEADER.size + tag_len]
-    try:
-        spec = data[_HEADER.size + tag_len : off].decode()
-    except UnicodeDecodeError:
-        return None
-    seqs = np.frombuffer(data, dtype="<u8", count=n, offset=off).astype(np.uint64)
-    crcs = np.frombuffer(data, dtype="<u4", count=n, offset=off + 8 * n).astype(np.uint32)
-    sizes = np.frombuffer(data, dtype="<u4", count=n, offset=off + 12 * n).astype(np.uint32)
-    return _Entry(start_pos, length, tag, spec, _PageRecords(seqs, crcs, sizes), int(sizes.sum()) + len(data))
-
-
-def _read_exact(f, buf: np.ndarray) -> bool:
-    view, got = memoryview(buf).cast("B"), 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            return False
-        got += n
-    return True
-
-
-def _write_file(path: Path, data, fsync: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view, done = memoryview(data).cast("B"), 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes, fsync: bool) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    _write_file(tmp, data, fsync)
-    os.replace(tmp, path)
-    if fsync:
-        _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def _parse_int(text: str) -> int | None:
