@@ -253,35 +253,43 @@ class Residency:
     def offload_users(self, user_ids: Sequence[int], protect: Collection[int] = ()) -> None:
         """Make the host hold exactly each user's committed device data, writing only what it lacks
         (`plan_offload`, kvcache/offload_staging.py). With staging (on CUDA) the users' pages leave the
-        device together."""
-        planned = [w for w in map(self._plan_offload, user_ids) if isinstance(w, OffloadWrite)]
-        staged: dict[int, tuple[int, PageData]] = {}  # user -> (first page staged, its staged pages)
-        if planned:
-            self.pool.sync_onloads()  # the tier may rewrite host memory an onload still reads
-        if self.staging is not None and planned:
-            buffer = self.staging.take(sum(len(w.pages) for w in planned))
-            self.pool.copy_out(array("q", [p for w in planned for p in w.pages]), buffer)
-            starts = np.cumsum([0] + [len(w.pages) for w in planned]).tolist()
-            staged = {w.user_id: (w.first_page, buffer[a:b]) for w, (a, b) in zip(planned, itertools.pairwise(starts))}
-        for u in user_ids:
-            self._write_offload(u, staged.get(u), protect)
+        device together.
 
-    def _write_offload(self, u: int, staged: tuple[int, PageData] | None, protect: Collection[int]) -> None:
-        """Offload one user, planned again now: an earlier write of the same call may have evicted its
-        host entry, and then its whole history is written, past what was staged."""
-        self.offload_requested.discard(u)
-        w = self._plan_offload(u)
-        if w == "superseded":
-            self._counters["superseded_offloads"] += 1
-        if not isinstance(w, OffloadWrite):
-            return
+        A write that evicts users from a tier may evict the entry a later user's plan builds on: the
+        users after it are planned again, and one whose plan now starts before what was staged is
+        written from the device.
+        """
+        plans = {u: self._plan_offload(u) for u in dict.fromkeys(user_ids)}
+        writes = [w for w in plans.values() if isinstance(w, OffloadWrite)]
+        if writes:
+            self.pool.sync_onloads()  # the tier may rewrite host memory an onload still reads
+        staged: dict[int, tuple[int, PageData]] = {}  # user -> (first page staged, its staged pages)
+        if self.staging is not None and writes:
+            buffer = self.staging.take(sum(len(w.pages) for w in writes))
+            self.pool.copy_out(array("q", [p for w in writes for p in w.pages]), buffer)
+            starts = np.cumsum([0] + [len(w.pages) for w in writes]).tolist()
+            staged = {w.user_id: (w.first_page, buffer[a:b]) for w, (a, b) in zip(writes, itertools.pairwise(starts))}
+        replan = False
+        for u, plan in plans.items():
+            self.offload_requested.discard(u)
+            if replan:
+                plan = self._plan_offload(u)
+            if plan == "superseded":
+                self._counters["superseded_offloads"] += 1
+            if isinstance(plan, OffloadWrite):
+                replan |= self._write_offload(plan, staged.get(u), protect)
+
+    def _write_offload(self, w: OffloadWrite, staged: tuple[int, PageData] | None, protect: Collection[int]) -> bool:
+        """Write one user's planned pages (from `staged` when it holds them); returns whether the write
+        evicted users from a tier."""
         res = w.resident
         if staged is not None and staged[0] <= w.first_page:
             pages = staged[1][w.first_page - staged[0] :]
-            fill = lambda dst, pages=pages: dst.copy_(pages)
+            fill = lambda dst: dst.copy_(pages)
         else:
             fill = lambda dst: self.pool.copy_out(w.pages, dst)
-        result = self.host.write(u, res.start_pos, res.length, w.first_page, fill, protect=protect, tag=res.tag)
+        result = self.host.write(w.user_id, res.start_pos, res.length, w.first_page, fill, protect=protect,
+                                 tag=res.tag)
         if result.stored:
             res.synced = HostEntry(res.start_pos, res.length, res.tag)
             self._counters["offloaded_bytes"] += len(w.pages) * self.layout.page_nbytes
@@ -291,6 +299,7 @@ class Residency:
         for v, _ in result.evicted:
             if v not in self.users:
                 self._events.gone(v)
+        return bool(result.evicted)
 
     def _plan_offload(self, u: int) -> OffloadWrite | str:
         res = self.users.get(u)

@@ -94,15 +94,18 @@ class ZstdCodec(KVCodec):
         return EncodedPages.from_fixed(self._plain.spec, rows)
 
     def _shuffled(self, layout: PageLayout, rows: Tensor) -> Tensor:
-        start, nbytes, item = self._value_span(layout)
-        out = rows.clone()
-        values = rows[:, start : start + nbytes].view(rows.shape[0], nbytes // item, item)
-        out[:, start : start + nbytes].view(rows.shape[0], item, nbytes // item).copy_(values.transpose(1, 2))
-        return out
+        """Rows with their values' bytes regrouped by place (all first bytes, then all second, ...)."""
+        return self._regrouped(layout, rows, to_planes=True)
 
     def _unshuffled(self, layout: PageLayout, shuffled: Tensor) -> Tensor:
+        return self._regrouped(layout, shuffled, to_planes=False)
+
+    def _regrouped(self, layout: PageLayout, rows: Tensor, to_planes: bool) -> Tensor:
+        """A copy of `rows` whose value span is transposed between [values, itemsize] and [itemsize, values]."""
         start, nbytes, item = self._value_span(layout)
-        out = shuffled.clone()
-        planes = shuffled[:, start : start + nbytes].view(shuffled.shape[0], item, nbytes // item)
-        out[:, start : start + nbytes].view(shuffled.shape[0], nbytes // item, item).copy_(planes.transpose(1, 2))
+        by_value = (rows.shape[0], nbytes // item, item)
+        by_plane = (rows.shape[0], item, nbytes // item)
+        src_shape, dst_shape = (by_value, by_plane) if to_planes else (by_plane, by_value)
+        out = rows.clone()
+        out[:, start : start + nbytes].view(dst_shape).copy_(rows[:, start : start + nbytes].view(src_shape).transpose(1, 2))
         return out

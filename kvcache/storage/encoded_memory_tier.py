@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-import numpy as np
-import torch
-
 from ..codecs import EncodedPages
 from ..page_data import decoded
 from .base import HostEntry, HostPages, HostWriteResult, PageFill
@@ -34,10 +31,9 @@ class _Entry:
         self.parts = parts  # ceil(length / S) encoded pages, in order, each part with its codec's spec
 
     @property
-    def spec(self) -> str | None:
-        """The codec of every part, or None when they differ."""
-        specs = {part.spec for part in self.parts}
-        return specs.pop() if len(specs) == 1 else None
+    def spec(self) -> str:
+        """The codec of every part (a write in another codec rewrites the entry whole)."""
+        return self.parts[0].spec
 
     def first_pages(self, n: int) -> list[EncodedPages]:
         """The parts holding pages [0, n), the last one cut at n."""
@@ -77,11 +73,10 @@ class EncodedMemoryStorage(BytesBoundedTier):
         old, num_pages = self._checked_write(user_id, start_pos, length, first_page)
         if old is not None and first_page and old.spec != self.codec.spec:
             fill, first_page = whole_fill(decoded(self.read(user_id).pages), first_page, fill), 0
-        new = self.codec.fill_and_encode(layout, num_pages - first_page, fill, lambda: self.drop(user_id))
-        new = EncodedPages(new.spec, new.data.clone(), new.offsets)  # it may view the codec's staging buffer
+        new = self.codec.fill_and_encode(layout, num_pages - first_page, fill, lambda: self.drop(user_id), owned=True)
         parts = (old.first_pages(first_page) if first_page else []) + [new]
         if len(parts) > MAX_PARTS:
-            parts = [merge_parts(parts)]
+            parts = [EncodedPages.from_rows(new.spec, [row for part in parts for row in part.rows()])]
         nbytes = sum(part.nbytes for part in parts)
         if nbytes > self._capacity - self._users.protected_bytes(protect, user_id):
             return HostWriteResult(False, ())
@@ -97,10 +92,3 @@ class EncodedMemoryStorage(BytesBoundedTier):
     def drop(self, user_id: int) -> bool:
         return self._users.pop(user_id) is not None
 
-
-def merge_parts(parts: list[EncodedPages]) -> EncodedPages:
-    """One part holding the pages of `parts` (all of one spec), in fresh memory."""
-    offsets = [np.zeros(1, dtype=np.int64)]
-    for part in parts:
-        offsets.append(part.offsets[1:] + (offsets[-1][-1]))
-    return EncodedPages(parts[0].spec, torch.cat([part.data for part in parts]), np.concatenate(offsets))

@@ -33,17 +33,21 @@ class TierCodec:
         return self.codec.encode(layout, pages)
 
     def fill_and_encode(self, layout: PageLayout, num_pages: int, fill: PageFill,
-                        on_failed_fill: Callable[[], None]) -> EncodedPages:
-        """A write's new pages: `fill` writes them into a reused staging buffer, then they are encoded
-        (the encoding may view the staging buffer: copy what is kept). A fill that raises calls
-        `on_failed_fill` first (the tier contract: the entry is dropped) and the error propagates."""
+                        on_failed_fill: Callable[[], None], owned: bool = False) -> EncodedPages:
+        """A write's new pages: `fill` writes them into a reused staging buffer, then they are encoded.
+        The encoding may view that buffer (the raw codec's does) unless `owned`, for a tier that keeps
+        it past the next write. A fill that raises calls `on_failed_fill` first (the tier contract: the
+        entry is dropped) and the error propagates."""
         dst = self._staging.take(layout, num_pages)
         try:
             fill(dst)
         except BaseException:
             on_failed_fill()
             raise
-        return self.codec.encode(layout, dst)
+        encoded = self.codec.encode(layout, dst)
+        if owned and encoded.data.untyped_storage().data_ptr() == dst.kv.untyped_storage().data_ptr():
+            encoded = EncodedPages(encoded.spec, encoded.data.clone(), encoded.offsets)
+        return encoded
 
     def decode(self, layout: PageLayout, encoded: EncodedPages) -> PageData:
         """Decoded with the codec `encoded.spec` names; ValueError for a spec no codec takes (bad stored data)."""

@@ -2,23 +2,19 @@
 small one and fewer bytes, and the full-recompute reference is written once and reused."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from helpers import REPO_ROOT, build_processed
+from helpers import build_processed
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    sys.path.insert(0, str(REPO_ROOT / "benchmark"))  # the script imports its sibling modules
-    spec = importlib.util.spec_from_file_location("kv_codec_report", REPO_ROOT / "benchmark" / "kv_codec_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(REPO_ROOT / "benchmark"))
+def report():
+    """benchmark/kv_codec_report.py (benchmark/ is on pytest's pythonpath, for the scripts' sibling imports)."""
+    import kv_codec_report
+
+    return kv_codec_report
 
 
 def test_report_rows_per_codec_and_a_reused_reference(report, tmp_path):

@@ -123,7 +123,7 @@ def test_copy_users_puts_each_user_in_the_destinations_encoded_tier():
                 assert 0 < float((copied - held).abs().max()) < 0.05 * float(held.abs().max())
 
 
-@pytest.mark.parametrize("codec", ["bf16", "zstd"])
+@pytest.mark.parametrize("codec", ["bf16", "zstd", "raw"])  # raw's encoding views the staging buffer
 def test_memory_tier_keeps_write_parts_and_merges_them(codec):
     """Every incremental write adds an encoded part; past MAX_PARTS they are merged. Reads (whole, or
     any page range the pool asks for) decode to what was written, across parts and merges."""
