@@ -33,7 +33,7 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import PRESET_NAMES
 from model.evaluation import score_requests
 from model.quality import QualitySplit, QualityTable, compare, quality_split
-from model.train import TrainParams, TrainReport, add_position_table_argument, date_to_ms, train
+from model.train import TrainParams, TrainReport, add_model_arguments, date_to_ms, train
 
 MODEL = "HSTU"
 CLICK_MARGIN_TARGET = 0.02  # the model's click AUC must exceed the best baseline's by this much
@@ -87,7 +87,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--split_date", type=int, default=d.split_date, help="YYYYMMDD: train before, evaluate from")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--max_train_seconds", type=float, default=None)
-    add_position_table_argument(p)
+    add_model_arguments(p)
     p.add_argument("--max_eval_requests", type=int, default=None, help="evaluate only the first N visits")
     p.add_argument("--batch_size", type=int, default=8, help="scoring batch size")
     p.add_argument("--full_recompute", action="store_true",
@@ -127,7 +127,8 @@ def run_seed(args: argparse.Namespace, dataset: InferenceDataset, split: Quality
     else:
         params = TrainParams(preset=args.preset, split_date=args.split_date, epochs=args.epochs,
                              max_train_seconds=args.max_train_seconds,
-                             position_table_size=args.position_table_size, seed=seed)
+                             position_table_size=args.position_table_size, video_tags=args.video_tags,
+                             seed=seed)
         model, training = train(dataset, params)
         if checkpoint is not None:
             save_checkpoint(model, checkpoint, metadata={"train": asdict(training), "params": asdict(params)})

@@ -16,7 +16,7 @@ output is meanwhile:
     between the two renames         old + complete tmp     tmp (new)         tmp -> NAME, remove old
     while removing old              old (partly removed)   NAME (new)        remove old
 
-Only files this module's writers produce (`schema.OUTPUT_FILES`) are ever deleted; a directory
+Only files this module's writers produce (`schema.WRITTEN_FILES`) are ever deleted; a directory
 holding anything else is refused, never emptied. The manifest is written last, so a directory
 whose manifest reads back is complete.
 """
@@ -129,7 +129,7 @@ def _is_complete(directory: Path) -> bool:
 def _remove_output_dir(directory: Path) -> None:
     """Remove the output files in `directory`, then the directory; anything else stays (and
     then so does the directory, reported as an OutputDirError)."""
-    for name in schema.OUTPUT_FILES:
+    for name in schema.WRITTEN_FILES:
         with contextlib.suppress(FileNotFoundError):  # a partial output, or removed by another repair
             (directory / name).unlink()
     try:
@@ -208,7 +208,7 @@ def _runs(out: Path) -> list[tuple[Path | None, Path | None]]:
 
 
 def _refuse_foreign_entries(directory: Path, what: str) -> None:
-    foreign = sorted(p.name for p in directory.iterdir() if p.name not in schema.OUTPUT_FILES or not p.is_file())
+    foreign = sorted(p.name for p in directory.iterdir() if p.name not in schema.WRITTEN_FILES or not p.is_file())
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise OutputDirError(f"{directory}: {what} files the preprocessor did not write ({shown}); move them elsewhere")

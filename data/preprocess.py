@@ -1,6 +1,7 @@
 """Raw KuaiRand-1K logs -> per-user sequences + time-ordered requests (Parquet) + manifest.
 
-Steps: read and validate the two standard logs and the user features; stably sort
+Steps: read and validate the two standard logs, the user features and, when the basic video
+features are there, each video's primary tag (data/raw.py `read_video_tags`); stably sort
 events by (user_id, time_ms) with ties in file order (early file first, then row
 order); drop exact duplicate rows (the first copy is kept); split each user's events
 into visits and requests (data/requests.py); encode the user features; write all of it
@@ -48,12 +49,16 @@ def preprocess(
     output.check_target(out, src)
     log_paths = [raw.required_file(src, name) for name in schema.STANDARD_LOGS]
     features_path = raw.required_file(src, schema.USER_FEATURES)
+    tags_path = src / schema.VIDEO_FEATURES_BASIC
+    tags_path = tags_path if tags_path.is_file() else None
 
     with _stages(progress) as stage:
         stage("read logs")
         logs = _read_logs(log_paths)
         stage("read user features")
         feature_table = raw.read_user_features(features_path)
+        stage("read video tags")
+        video_tags = raw.read_video_tags(tags_path) if tags_path is not None else None
         stage("sort + deduplicate")
         events, file_counts = _sort_and_dedup(logs, log_paths)
         rows_read = logs.rows_read
@@ -65,11 +70,11 @@ def preprocess(
         manifest = output_manifest(
             params, events, split, vocabs,
             num_video_ids=int(events.video_id.max()) + 1,
-            input_files={p.name: p.stat().st_size for p in (*log_paths, features_path)},
+            input_files={p.name: p.stat().st_size for p in (*log_paths, features_path, tags_path) if p is not None},
             source_counts={"rows_read": dict(zip(schema.STANDARD_LOGS, rows_read)), **file_counts, **feature_counts},
         )  # fmt: skip
         stage("write")
-        write_output(out, src, events, features, vocabs, split.requests, manifest)
+        write_output(out, src, events, features, vocabs, split.requests, manifest, video_tags)
     return manifest
 
 
@@ -204,7 +209,7 @@ def _encode_column(feature: schema.UserFeature, column: pa.ChunkedArray) -> tupl
 @contextmanager
 def _stages(enabled: bool) -> Iterator:
     """A one-bar tqdm over the pipeline stages (stderr); `stage(name)` starts the next one."""
-    bar = tqdm(total=6, disable=not enabled, file=sys.stderr, unit="stage", desc="preprocess")
+    bar = tqdm(total=7, disable=not enabled, file=sys.stderr, unit="stage", desc="preprocess")
     started = []
 
     def stage(name: str) -> None:

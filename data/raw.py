@@ -139,6 +139,28 @@ def read_user_features(path: Path) -> pa.Table:
     return table
 
 
+
+def read_video_tags(path: Path) -> pa.Table:
+    """video_id and its primary tag (int64 columns), for the videos whose `tag` cell is not empty.
+    A cell lists the video's category ids comma-separated, the primary one first ("28", "2,28");
+    video_id must be unique and non-negative, and every listed id a whole number >= 0."""
+    table = read_columns(path, {"video_id": pa.int64(), "tag": pa.string()})
+    _check_range(path, "video_id", table.column("video_id"), LOG_VALUE_RANGES[0])
+    ids = table.column("video_id").to_numpy()
+    order = np.argsort(ids, kind="stable")
+    repeated = order[1:][ids[order[1:]] == ids[order[:-1]]]
+    if len(repeated):
+        raise RawDataError(path, "duplicate video_id", column="video_id", line=int(repeated.min()) + 2)
+    cells = pc.utf8_trim_whitespace(pc.fill_null(table.column("tag").combine_chunks(), ""))
+    tagged = pc.not_equal(cells, "")
+    bad = pc.and_(tagged, pc.invert(pc.match_substring_regex(cells, r"^\d{1,18}( *, *\d{1,18})*$")))
+    if pc.any(bad).as_py():
+        line = _first_line(bad)
+        raise RawDataError(path, f"expected comma-separated category ids, got {cells[line - 2].as_py()!r}",
+                           column="tag", line=line)
+    primary = pc.utf8_trim_whitespace(pc.list_element(pc.split_pattern(cells.filter(tagged), ","), 0))
+    return pa.table({"video_id": table.column("video_id").filter(tagged), "tag": pc.cast(primary, pa.int64())})
+
 def _check_range(path: Path, name: str, column: pa.ChunkedArray, allowed: ValueRange) -> None:
     """One min/max pass; the first offending row is located only when there is one."""
     if len(column) == 0:

@@ -28,7 +28,8 @@ RAW_FILES = (
     VIDEO_FEATURES_BASIC,
     VIDEO_FEATURES_STATISTIC,
 )
-# The preprocessor reads only these; the random log and the video features are not needed.
+# The preprocessor reads these, and the video tags of VIDEO_FEATURES_BASIC when the file is there;
+# the random log is not part of the users' organic histories.
 STANDARD_LOGS = (LOG_STANDARD_EARLY, LOG_STANDARD_LATE)  # file order = tie-break order
 
 # All three logs share this header; every column is int64.
@@ -41,8 +42,9 @@ LOG_COLUMNS = (
 LOG_DTYPE = np.dtype(np.int64)  # of every log column
 LOG_ID_COLUMNS = ("user_id", "video_id")  # must be >= 0
 
-# The video feature files are not read by the pipeline. These headers are the
-# generator's representative choice (plausible, not verified against the real files).
+# The pipeline reads only `video_id` and `tag` of the basic video features (data/video_tags.py).
+# These headers are the generator's representative choice (plausible, not verified against the
+# real files); `tag` holds the video's category ids, comma-separated, the primary one first.
 VIDEO_BASIC_COLUMNS = (
     "video_id", "author_id", "video_type", "upload_dt", "upload_type", "visible_status",
     "video_duration", "server_width", "server_height", "music_id", "music_type", "tag",
@@ -183,6 +185,9 @@ SCHEMA_VERSION = 1
 SEQUENCES_FILE = "sequences.parquet"
 REQUESTS_FILE = "requests.parquet"
 MANIFEST_FILE = "manifest.json"
-OUTPUT_FILES = (SEQUENCES_FILE, REQUESTS_FILE, MANIFEST_FILE)
+VIDEO_TAGS_FILE = "video_tags.parquet"  # video_id, tag (int64): written when the raw video features exist
+OUTPUT_FILES = (SEQUENCES_FILE, REQUESTS_FILE, MANIFEST_FILE)  # every output has these
+OPTIONAL_OUTPUT_FILES = (VIDEO_TAGS_FILE,)
+WRITTEN_FILES = OUTPUT_FILES + OPTIONAL_OUTPUT_FILES  # everything an output directory may hold
 SEQUENCE_LIST_COLUMNS = ("video_ids", "action_weights", "timestamps")  # list<int64>, per user
 REQUEST_COLUMNS = ("request_id", "user_id", "time_ms", "start", "end", "num_candidates")  # int64

@@ -115,7 +115,7 @@ def generate(
     bar.update()
     rows[schema.USER_FEATURES] = write_user_features(out / schema.USER_FEATURES, rng, world, standard["user_id"])
     bar.update()
-    rows.update(write_video_features(out, rng, world))
+    rows.update(write_video_features(out, rng, world, config))
     bar.update()
     bar.close()
     return SyntheticSummary(

@@ -1,4 +1,5 @@
-"""The synthetic generator's side files: user features and the (unused) video feature tables."""
+"""The synthetic generator's side files: user features and the video feature tables (the pipeline
+reads their `tag` column; the rest is representative)."""
 from __future__ import annotations
 
 import csv
@@ -9,7 +10,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from data import schema
-from data.synthetic_world import World
+from data.synthetic_world import SyntheticConfig, World
 
 
 def write_csv(path: Path, table: pa.Table) -> None:
@@ -74,8 +75,9 @@ def _range_labels(values: np.ndarray, upper: list[int], labels: tuple[str, ...])
     return np.asarray(labels, dtype=object)[np.searchsorted(upper, values, side="left")]
 
 
-def write_video_features(out: Path, rng: np.random.Generator, world: World) -> dict[str, int]:
-    """Representative per-video tables (not read by the pipeline; see schema.VIDEO_*_COLUMNS)."""
+def write_video_features(out: Path, rng: np.random.Generator, world: World, config: SyntheticConfig) -> dict[str, int]:
+    """Per-video tables (schema.VIDEO_*_COLUMNS): `tag` follows the clusters (`video_tags`), the rest
+    is representative."""
     n = world.num_videos
     vid = np.arange(n, dtype=np.int64)
     popularity = rng.lognormal(0.0, 1.5, n)
@@ -96,7 +98,7 @@ def write_video_features(out: Path, rng: np.random.Generator, world: World) -> d
         "server_height": rng.choice([1280, 1920, 960], n),
         "music_id": rng.integers(0, max(1, n // 10), n),
         "music_type": rng.choice([4, 9, 11], n),
-        "tag": pa.array(rng.integers(1, 100, n).astype(str).astype(object), pa.string()),
+        "tag": pa.array(video_tags(rng, world, config), pa.string()),
     })  # fmt: skip
     show = rng.poisson(popularity * 200).astype(np.int64)
     play = rng.binomial(show, 0.4)
@@ -123,3 +125,19 @@ def write_video_features(out: Path, rng: np.random.Generator, world: World) -> d
     write_csv(out / schema.VIDEO_FEATURES_STATISTIC, statistic)
     return {schema.VIDEO_FEATURES_BASIC: n, schema.VIDEO_FEATURES_STATISTIC: n}
 
+
+
+def video_tags(rng: np.random.Generator, world: World, config: SyntheticConfig) -> np.ndarray:
+    """[V] tag cells: category ids, comma-separated, the primary first. Cluster c is category
+    category[c] (ids 1..K in a random order); `config.tag_fidelity` of the videos carry their
+    cluster's as the primary tag, the others a uniformly random one; `config.second_tag_share` list
+    a second, random category after it."""
+    k = len(world.cluster_share)
+    category = rng.permutation(k) + 1
+    primary = np.where(rng.random(world.num_videos) < config.tag_fidelity,
+                       category[world.video_cluster], rng.integers(1, k + 1, world.num_videos))
+    second = rng.integers(1, k + 1, world.num_videos)
+    cells = primary.astype(str).astype(object)
+    listed = rng.random(world.num_videos) < config.second_tag_share
+    cells[listed] = cells[listed] + "," + second[listed].astype(str).astype(object)
+    return cells

@@ -90,6 +90,11 @@ class SyntheticConfig:
     popularity_exponent: float = 2.0  # within-cluster rank = size * u**exponent (heavy head)
     signal_strength: float = 0.8  # logit slope in log(num_clusters * taste)
     taste_weight: float = 1.0  # scales the cluster-taste part of the affinity
+    # The `tag` of the basic video features: a cluster is a content category, and a video's primary
+    # tag names its cluster's category for this share of the videos (the rest carry a random one:
+    # labels are noisy, and a taste group need not be one category); some videos list a second tag.
+    tag_fidelity: float = 0.8
+    second_tag_share: float = 0.3
     # per-user action logit offset (some users click far more than others): a user-level signal
     user_propensity_std: float = 1.0
     item_quality_std: float = 0.8  # per-video action logit offset: an item-level signal

@@ -1,7 +1,8 @@
 """Checkpoints: weights saved with the config that built them, and a model fingerprint.
 
-A checkpoint directory holds `model.pt` (format version, config, state dict, free-form
-metadata such as the training data's manifest) and a human-readable `config.json`.
+A checkpoint directory holds `model.pt` (format version, config, state dict, the video tag table
+of a model that embeds tags, free-form metadata such as the training data's manifest) and a
+human-readable `config.json`.
 Loading refuses a checkpoint whose config differs from the one the caller expects,
 naming every differing field, instead of failing later with a shape error (or worse,
 silently serving with the wrong vocabulary).
@@ -19,6 +20,7 @@ import torch
 
 from model.config import HSTUConfig
 from model.recommender import HSTURecommender
+from model.video_tags import VideoTagTable
 
 CHECKPOINT_FILE = "model.pt"
 CONFIG_FILE = "config.json"
@@ -37,6 +39,8 @@ class Checkpoint:
 
 def save_checkpoint(model: HSTURecommender, directory: str | Path, metadata: dict | None = None) -> Path:
     """Write the checkpoint atomically (temp file + rename) and return its path."""
+    if model.config.num_video_tags and model.video_tags is None:
+        raise ValueError("the model embeds video tags but has no VideoTagTable: nothing could serve its checkpoint")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -45,6 +49,8 @@ def save_checkpoint(model: HSTURecommender, directory: str | Path, metadata: dic
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "metadata": metadata or {},
     }
+    if model.video_tags is not None:
+        payload["video_tags"] = model.video_tags.tensors()
     _atomic_write(directory / CHECKPOINT_FILE, lambda f: torch.save(payload, f))
     text = json.dumps({"config": model.config.to_dict(), "metadata": metadata or {}}, indent=2, sort_keys=True)
     _atomic_write(directory / CONFIG_FILE, lambda f: f.write(text.encode()))
@@ -74,6 +80,13 @@ def load_checkpoint(
         diffs = config_differences(config, expected_config)
         raise CheckpointError(f"Checkpoint {path} does not match the expected config: {diffs}")
     model = HSTURecommender(config, device=device)
+    if config.num_video_tags:
+        if "video_tags" not in payload:
+            raise CheckpointError(f"Checkpoint {path} embeds video tags but holds no tag table")
+        try:
+            model.video_tags = VideoTagTable.from_tensors(payload["video_tags"])
+        except ValueError as err:
+            raise CheckpointError(f"Checkpoint {path}: its video tag table is unusable: {err}") from err
     _check_shapes(path, model.state_dict(), payload.get("state_dict"))
     missing, unexpected = model.load_state_dict(payload["state_dict"], strict=False)
     if missing or unexpected:
@@ -101,8 +114,10 @@ def config_differences(actual: HSTUConfig, expected: HSTUConfig) -> str:
 
 
 def model_fingerprint(model: HSTURecommender) -> str:
-    """SHA-256 over config and weights: K/V computed by one model are never read by another."""
+    """SHA-256 over config, weights and tag table: K/V computed by one model are never read by another."""
     digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
+    if model.video_tags is not None:
+        digest.update(model.video_tags.digest().encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -28,6 +28,8 @@ class HSTUConfig:
     dropout: float = 0.0  # used in training only
     # Embeddings (all through one TorchRec EmbeddingCollection)
     video_hash_size: int = 1_000_003  # video ids are hashed (mod a prime) into this many rows
+    # Rows of the video-tag embedding (model/video_tags.py: unknown + one per tag); 0 = no tag feature.
+    num_video_tags: int = 0
     num_time_gap_buckets: int = 64
     position_table_size: int = 8192  # token positions are clamped to this table
     user_feature_cardinalities: tuple[int, ...] = ()  # one contextual prefix token per feature
@@ -61,6 +63,7 @@ class HSTUConfig:
             "position_table_size must be >= 1": self.position_table_size >= 1,
             "num_time_gap_buckets must be >= 1": self.num_time_gap_buckets >= 1,
             "video_hash_size must be >= 1": self.video_hash_size >= 1,
+            "num_video_tags must be >= 0": self.num_video_tags >= 0,
             "user_hash_size must be >= 0": self.user_hash_size >= 0,
             "user_factor_dim must be >= 1": self.user_factor_dim >= 1,
             "counter_buckets must be >= 0": self.counter_buckets >= 0,

@@ -1,7 +1,7 @@
 """Token embeddings through one TorchRec EmbeddingCollection (features: model/features.py).
 
-One lookup serves a whole batch. The KeyedJaggedTensor has one row per feature: the five
-token features over every event and candidate token, then one user feature per prefix token
+One lookup serves a whole batch. The KeyedJaggedTensor has one row per feature: the token
+features (five, six with video tags) over every event and candidate token, then one user feature per prefix token
 position over the users that open their window. Its per-key sizes are known on the host,
 so splitting it by key never reads lengths back from the device.
 
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 from model.config import NUM_ACTION_IDS, HSTUConfig
-from model.features import TOKEN_FEATURES, TokenFeatures
+from model.features import VIDEO_TAG, TokenFeatures, token_feature_names
 
 # TorchRec calls torch.fx's deprecated is_fx_tracing() on every forward, and torch logs a
 # one-time notice about it that means nothing to users of this model.
@@ -41,11 +41,14 @@ class TokenEmbedder(nn.Module):
             "hour": 24,
             "position": config.position_table_size,
         }
+        if config.num_video_tags:
+            sizes[VIDEO_TAG] = config.num_video_tags
+        self.token_features = token_feature_names(config)
         if config.use_contextual_prefix:
             for j, cardinality in enumerate(config.user_feature_cardinalities):
                 sizes[user_feature_name(j)] = cardinality
         self.feature_names = tuple(sizes)
-        self.num_prefix = len(self.feature_names) - len(TOKEN_FEATURES)
+        self.num_prefix = len(self.feature_names) - len(self.token_features)
         self.collection = EmbeddingCollection(
             tables=[
                 EmbeddingConfig(name=f"table_{name}", embedding_dim=config.hidden_dim, num_embeddings=n,
@@ -66,7 +69,7 @@ class TokenEmbedder(nn.Module):
 
     def host_inputs(self, features: TokenFeatures) -> dict[str, np.ndarray]:
         """The arrays `forward` needs on the device (packed into the batch's one upload)."""
-        values = [features.token_ids[name] for name in TOKEN_FEATURES]
+        values = [features.token_ids[name] for name in self.token_features]
         values += [features.prefix_ids[:, j] for j in range(self.num_prefix)]
         return {
             "kjt_values": np.concatenate(values),
@@ -85,7 +88,7 @@ class TokenEmbedder(nn.Module):
     def forward(self, device_inputs: Mapping[str, Tensor], features: TokenFeatures) -> Tensor:
         """-> x [shape.num_rows, hidden_dim] float32: token embeddings in the row layout of model/features.py
         (padding rows are zero)."""
-        sizes = [len(features.token_rows)] * len(TOKEN_FEATURES) + [len(features.prefix_ids)] * self.num_prefix
+        sizes = [len(features.token_rows)] * len(self.token_features) + [len(features.prefix_ids)] * self.num_prefix
         kjt = KeyedJaggedTensor(
             keys=list(self.feature_names),
             values=device_inputs["kjt_values"],
@@ -95,7 +98,7 @@ class TokenEmbedder(nn.Module):
             offset_per_key=[0, *np.cumsum(sizes).tolist()],
         )
         embedded = self.collection(kjt)
-        tokens = sum(embedded[name].values() for name in TOKEN_FEATURES)  # [N + M, d]
+        tokens = sum(embedded[name].values() for name in self.token_features)  # [N + M, d]
         x = tokens.new_zeros(features.shape.num_rows + 1, tokens.shape[-1])  # + the scratch row
         x = x.index_copy(0, device_inputs["token_rows"], tokens)
         if features.prefix_ids.size:

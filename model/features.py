@@ -3,6 +3,7 @@ the row each token takes in the layer input.
 
     event token     = E_video[hash(video)] + E_action[action bits] + E_gap[bucket(t_i - t_{i-1})]
                       + E_hour[hour(t_i)] + E_position[layout position]
+                      (+ E_tag[tag row of the video] when the model has a tag table: model/video_tags.py)
     candidate token = same, with the action replaced by the learned UNKNOWN_ACTION_ID vector,
                       t_i the request time and t_{i-1} the user's last event
     prefix token j  = E_user_feature_j[value_j]            (the contextual prefix)
@@ -30,11 +31,18 @@ from model.batch_shape import BatchShape
 from model.config import UNKNOWN_ACTION_ID, HSTUConfig
 from model.counter_features import counter_inputs
 from model.token_layout import TokenLayout, TokenSpans
+from model.video_tags import VideoTagTable
 
 TOKEN_FEATURES = ("video_id", "action", "time_gap", "hour", "position")
+VIDEO_TAG = "video_tag"
 MS_PER_HOUR = 3_600_000
 UTC_OFFSET_HOURS = 8  # KuaiRand timestamps are Beijing time
 GAP_BUCKETS_PER_OCTAVE = 3  # time-gap buckets are log2-spaced, 3 per doubling of seconds
+
+
+def token_feature_names(config: HSTUConfig) -> tuple[str, ...]:
+    """The features summed into every event and candidate token of a model with this config."""
+    return TOKEN_FEATURES + ((VIDEO_TAG,) if config.num_video_tags else ())
 
 
 def hour_of_day(timestamps_ms: np.ndarray) -> np.ndarray:
@@ -52,7 +60,7 @@ class TokenFeatures:
     """A batch's sparse ids and token rows (host int64). N events, M candidates, P users opening a window;
     in a bucketed shape the id lists are padded (id 0, row = the scratch row) to fixed lengths."""
 
-    token_ids: dict[str, np.ndarray]  # TOKEN_FEATURES name -> [N + M (+ pad)] ids: events, then candidates
+    token_ids: dict[str, np.ndarray]  # token_feature_names -> [N + M (+ pad)] ids: events, then candidates
     token_rows: np.ndarray  # [N + M (+ pad)] row of each event / candidate token in x
     prefix_ids: np.ndarray  # [P (+ pad), C] user-feature ids of the users whose visit opens their window
     prefix_rows: np.ndarray  # [P (+ pad), C] rows of their prefix tokens in x
@@ -68,7 +76,8 @@ def exact_shape(batch: VisitBatch, spans: TokenSpans) -> BatchShape:
 
 
 def token_features(
-    config: HSTUConfig, layout: TokenLayout, batch: VisitBatch, spans: TokenSpans, shape: BatchShape | None = None
+    config: HSTUConfig, layout: TokenLayout, batch: VisitBatch, spans: TokenSpans, shape: BatchShape | None = None,
+    video_tags: VideoTagTable | None = None,
 ) -> TokenFeatures:
     n_cands = len(batch.candidate_video_ids)
     event_rows, event_ranks = row_ids_and_ranks(batch.history_lengths)
@@ -96,6 +105,10 @@ def token_features(
         "hour": (hour_of_day(batch.timestamps_ms), hour_of_day(times)),
         "position": (layout.position_ids(batch.starts[event_rows] + event_ranks), layout.position_ids(ends)),
     }
+    if config.num_video_tags:
+        if video_tags is None:
+            raise ValueError("the model embeds video tags (num_video_tags > 0) but has no VideoTagTable")
+        ids[VIDEO_TAG] = (video_tags.rows(batch.video_ids), video_tags.rows(batch.candidate_video_ids))
     exact = exact_shape(batch, spans)
     shape = shape or exact
     if not shape.holds(exact):

@@ -30,6 +30,7 @@ from model.kv_store import FullRecompute, KVStore
 from model.staging import DeviceArrays, DeviceStaging
 from model.token_layout import TokenLayout, TokenSpans
 from model.user_taste import UserTaste
+from model.video_tags import VideoTagTable
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,16 @@ class ModelInputs:
 
 
 class HSTURecommender(nn.Module):
-    def __init__(self, config: HSTUConfig, device: torch.device | str | None = None):
+    def __init__(self, config: HSTUConfig, device: torch.device | str | None = None,
+                 video_tags: VideoTagTable | None = None):
+        """`video_tags`: the catalogue snapshot a model with `config.num_video_tags` reads its tokens'
+        tags from (model/video_tags.py); it can also be set later, before the first batch."""
         super().__init__()
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.config = config
+        self._video_tags: VideoTagTable | None = None
+        if video_tags is not None:
+            self.video_tags = video_tags
         self.layout = TokenLayout(config)
         self.embedder = TokenEmbedder(config, device=device)
         self.layers = nn.ModuleList(HSTULayer(config, i) for i in range(config.num_layers))
@@ -72,6 +79,19 @@ class HSTURecommender(nn.Module):
         # (when triton imports), the blocked torch path elsewhere.
         self.attention_backend: str | AttentionBackend = registry.AUTO
         self.to(device)
+
+    @property
+    def video_tags(self) -> VideoTagTable | None:
+        return self._video_tags
+
+    @video_tags.setter
+    def video_tags(self, table: VideoTagTable) -> None:
+        if not self.config.num_video_tags:
+            raise ValueError("this model has no tag embedding (config.num_video_tags = 0)")
+        if table.num_rows > self.config.num_video_tags:
+            raise ValueError(f"the tag table has {table.num_rows} rows, the model's tag embedding "
+                             f"{self.config.num_video_tags}")
+        self._video_tags = table
 
     @property
     def device(self) -> torch.device:
@@ -104,7 +124,7 @@ class HSTURecommender(nn.Module):
         if bucketed and shape is None:
             exact = exact_shape(batch, spans)
             shape = BatchShape.bucket(exact.users, exact.history_rows, exact.candidate_rows)
-        features = token_features(self.config, self.layout, batch, spans, shape)
+        features = token_features(self.config, self.layout, batch, spans, shape, self._video_tags)
         plan = self._plan_attention(spans, batch, kv, features.shape, bucketed=shape is not None)
         arrays = {**self.embedder.host_inputs(features), **attention.host_inputs(plan), **kv.host_inputs(features.shape),
                   "query_times": features.query_times}

@@ -37,6 +37,7 @@ from model.config import PRESET_NAMES, HSTUConfig, preset
 from model.evaluation import EarlyStopping, score_requests, window_batch
 from model.metrics import SELECT_ON, per_task_auc, selection_score
 from model.recommender import HSTURecommender, ModelInputs
+from model.video_tags import VideoTagTable
 
 log = logging.getLogger(__name__)
 BEIJING = dt.timezone(dt.timedelta(hours=8))
@@ -88,6 +89,8 @@ class TrainParams:
     # checkpoint and read by serving): None keeps the preset's; 1 gives every token one position row,
     # which removes absolute positions and leaves order to the relative bias.
     position_table_size: int | None = None
+    # A fresh model embeds each token's video tag (model/video_tags.py) when the dataset has tags.
+    video_tags: bool = True
     max_train_requests: int | None = None
     max_train_seconds: float | None = None
     seed: int = 0
@@ -242,7 +245,10 @@ def train(
         config = config_for_dataset(params.preset, dataset).replace(dropout=params.dropout)
         if params.position_table_size is not None:
             config = config.replace(position_table_size=params.position_table_size)
-        model = HSTURecommender(config, device=params.device)
+        tags = VideoTagTable.from_dataset_dir(dataset.root) if params.video_tags else None
+        if tags is not None:
+            config = config.replace(num_video_tags=tags.num_rows)
+        model = HSTURecommender(config, device=params.device, video_tags=tags)
     # The blocked torch path: the Triton kernel computes forwards only (it has no backward).
     serving_backend, model.attention_backend = model.attention_backend, TRAINING_ATTENTION
     started = time.perf_counter()
@@ -319,10 +325,13 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def add_position_table_argument(p: argparse.ArgumentParser) -> None:
-    """`--position_table_size` (TrainParams.position_table_size), for every script that trains."""
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that shape a fresh model (TrainParams.position_table_size, .video_tags), for every
+    script that trains."""
     p.add_argument("--position_table_size", type=int, default=TrainParams.position_table_size,
                    help="absolute position rows of a fresh model (default: the preset's; 1 = no absolute positions)")
+    p.add_argument("--no_video_tags", dest="video_tags", action="store_false",
+                   help="do not embed the dataset's video tags (default: embed them when it has them)")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -341,7 +350,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--history_targets", type=int, default=d.history_targets,
                    help="score each visit's last N history events as training targets too (each sees the events before it)")
     p.add_argument("--dropout", type=float, default=d.dropout, help="dropout of the layers while training")
-    add_position_table_argument(p)
+    add_model_arguments(p)
     p.add_argument("--batch_size", type=int, default=d.batch_size)
     p.add_argument("--learning_rate", type=float, default=d.learning_rate)
     p.add_argument("--embedding_learning_rate", type=float, default=d.embedding_learning_rate)

@@ -25,6 +25,7 @@ from data.synthetic_world import DEFAULT_SIGNAL, signal_config
 from model.baselines import Interactions, Visits
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
+from model.video_tags import VideoTagTable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -432,6 +433,19 @@ def host_pages(layout, n: int, value: float | None = None, seed: int | None = No
         return PageData(kv_bits.view(layout.dtype).view(shape), times)
     slots = torch.arange(n * layout.page_size, dtype=torch.int64).view(n, layout.page_size)
     return PageData(torch.full(shape, float(value), dtype=layout.dtype), int(value) * 1000 + slots)
+
+
+def random_tag_table(rng: np.random.Generator, num_tags: int = 12) -> VideoTagTable:
+    """Tags for a random half of the video ids random_candidates / random_histories draw from."""
+    videos = rng.choice(50_000, size=25_000, replace=False)
+    return VideoTagTable.from_pairs(videos, rng.integers(100, 100 + num_tags, size=len(videos)))
+
+
+def tagged_model(seed: int, table: VideoTagTable, **overrides):
+    cfg = tiny_config(num_video_tags=table.num_rows, **overrides)
+    model = sensitive_model(cfg, seed)
+    model.video_tags = table
+    return model
 
 
 def pages_equal(a, b) -> bool:

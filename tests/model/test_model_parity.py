@@ -11,8 +11,10 @@ from helpers import (
     make_cache,
     random_candidates,
     random_histories,
+    random_tag_table,
     sensitive_model,
     serve,
+    tagged_model,
     tiny_config,
 )
 
@@ -147,4 +149,13 @@ def test_parity_without_absolute_positions(device):
     histories = random_histories(rng, 6, (1, 40), cfg)
     cache = make_cache(cfg, num_pages=200, device=device)
     assert replay_and_compare(model, cache, histories, rng, max_chunk=3 * cfg.page_size) >= 2
+    assert cache.stats().tokens_reused > 0
+
+
+def test_cached_scores_equal_full_recompute_with_tags(device):
+    rng = np.random.default_rng(2)
+    model = tagged_model(2, random_tag_table(rng)).to(device)
+    histories = random_histories(rng, 6, (5, 50), model.config)
+    cache = make_cache(model.config, num_pages=64, device=device)
+    assert replay_and_compare(model, cache, histories, rng, max_chunk=12, between_rounds=shuffle_tiers) >= 2
     assert cache.stats().tokens_reused > 0
