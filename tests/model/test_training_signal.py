@@ -174,3 +174,20 @@ def test_trainer_position_table_override_reaches_the_checkpoint(dataset, tmp_pat
                                score_requests(model, dataset, holdout, 8, progress=False).logits)
     default, _ = train(dataset, replace(params, position_table_size=None))
     assert default.config.position_table_size == config_for_dataset("tiny", dataset).position_table_size
+
+
+def test_trainer_embeds_the_datasets_video_tags(dataset, tmp_path):
+    from model.video_tags import VideoTagTable
+
+    table = VideoTagTable.from_dataset_dir(dataset.root)
+    params = TrainParams(preset="tiny", epochs=1, batch_size=8, seed=0, max_train_requests=16)
+    model, _ = train(dataset, params)
+    assert model.config.num_video_tags == table.num_rows
+    assert np.array_equal(model.video_tags.tag_rows, table.tag_rows)
+    save_checkpoint(model, tmp_path)
+    loaded = load_checkpoint(tmp_path).model.eval()
+    _, holdout = split_requests(dataset, params)
+    torch.testing.assert_close(score_requests(loaded, dataset, holdout, 8, progress=False).logits,
+                               score_requests(model, dataset, holdout, 8, progress=False).logits)
+    without, _ = train(dataset, replace(params, video_tags=False))
+    assert without.config.num_video_tags == 0 and without.video_tags is None
