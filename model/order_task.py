@@ -52,7 +52,7 @@ class OrderTask:
     def __post_init__(self):
         if self.rule not in RULES:
             raise ValueError(f"OrderTask.rule must be one of {', '.join(RULES)}, got {self.rule!r}")
-        if not (self.num_tags >= 2 and self.history >= 1 and self.candidates >= 1 and 1 <= self.recent):
+        if not (self.num_tags >= 2 and self.history >= 1 and self.candidates >= 1 and self.recent >= 1):
             raise ValueError("OrderTask needs num_tags >= 2, history, candidates and recent >= 1")
 
     @cached_property
