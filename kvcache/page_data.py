@@ -114,6 +114,12 @@ class EncodedPageData(ABC):
     def page_range(self, start: int, stop: int) -> EncodedPageData:
         """Pages [start, stop), still encoded."""
 
+    def decode_on(self, device: torch.device) -> PageData:
+        """The pages decoded into fresh memory on `device`. This default decodes on the host and moves the
+        result; encodings whose decode runs anywhere move their bytes and decode there instead."""
+        pages = self.decode()
+        return PageData(pages.kv.to(device, non_blocking=True), pages.times.to(device, non_blocking=True))
+
 
 HostPageData = PageData | EncodedPageData  # what a tier's read hands out
 

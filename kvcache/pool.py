@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .config import PageLayout
 from .onload_events import OnloadEvents
-from .page_data import EncodedPageData, HostPageData, PageData, decoded
+from .page_data import EncodedPageData, HostPageData, PageData
 from .paged_kvcache_ops import as_words
 
 Pages = array | Sequence[int]  # page ids; the pool hands out array("q")
@@ -147,8 +147,9 @@ class DevicePagePool:
 
     def copy_in(self, moves: Sequence[tuple[Pages, HostPageData]]) -> None:
         """Write each `src` (len(pages) pages, any device and strides) into its `pages`. Encoded pages
-        (`EncodedPageData`) are decoded straight into the pool's pages on the CPU, and decoded on the host
-        first on CUDA.
+        (`EncodedPageData`) are decoded straight into the pool's pages on the CPU; on CUDA they are decoded
+        on the onload stream into device memory (`EncodedPageData.decode_on`: the encoded bytes cross the
+        bus where the codec decodes on the device, the decoded pages otherwise), then moved as any pages.
 
         On CUDA the copies run on the onload stream, after the work already queued on the current
         stream (the pages may have been freed by a batch still computing there): first the times of
@@ -170,11 +171,14 @@ class DevicePagePool:
                 _index_copy_into(rows, idx, _pool_order(src.kv.to(self.device)))
                 self.times.index_copy_(0, idx, src.times.to(self.device))
             return
-        moves = [(pages, decoded(src)) for pages, src in moves]  # decoded on the host, then moved as raw pages
         stream = self._onload_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         lay = self.layout
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            # Encoded pages cross the bus encoded where their codec decodes on the device (int8: a quarter
+            # of the bytes), into fresh device memory; the layer loop below then moves them as any pages.
+            moves = [(pages, src.decode_on(self.device) if isinstance(src, EncodedPageData) else src)
+                     for pages, src in moves]
             idx = self._index(np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in moves]))
             times = torch.cat([src.times.to(self.device, non_blocking=True) for _, src in moves])
             self.times.index_copy_(0, idx, times)

@@ -84,6 +84,10 @@ class EncodedPages:
         offsets = self.offsets[start : stop + 1]
         return EncodedPages(self.spec, self.data[int(offsets[0]) : int(offsets[-1])], offsets - offsets[0])
 
+    def to(self, device: torch.device) -> EncodedPages:
+        """The same pages with their bytes on `device` (asynchronous from pinned memory)."""
+        return EncodedPages(self.spec, self.data.to(device, non_blocking=True), self.offsets)
+
     def rows(self) -> list[np.ndarray]:
         """Each page's bytes as a uint8 array viewing `data` (what byte-storing tiers write)."""
         flat = self.data.numpy()
@@ -122,6 +126,10 @@ class KVCodec(ABC):
     """
 
     lossless: bool = False
+    # Whether `decode_into` is tensor ops that run wherever its tensors are: the pool then moves the
+    # encoded bytes to its device and decodes there (fewer bytes over the bus); otherwise (a CPU
+    # library such as zstd) it decodes on the host and moves the decoded pages.
+    decodes_on_device: bool = False
 
     @property
     @abstractmethod

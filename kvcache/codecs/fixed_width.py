@@ -29,6 +29,7 @@ class FixedWidthCodec(KVCodec):
         self._spec = spec
         self._runs = tuple(runs)
         self.lossless = lossless
+        self.decodes_on_device = True
 
     @property
     def spec(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
 from ..codecs import EncodedPages, KVCodec, get_codec
 from ..config import PageLayout
@@ -86,6 +87,15 @@ class _DeferredDecode(EncodedPageData):
         """Pages [start, stop), still encoded."""
         return _DeferredDecode(self._codec, self._layout, self._encoded.page_range(start, stop))
 
+    def decode_on(self, device: torch.device) -> PageData:
+        if not self._codec.decodes_on_device:
+            return super().decode_on(device)
+        layout, n = self._layout, self._encoded.num_pages
+        out = PageData(torch.empty((n, *layout.page_shape), dtype=layout.dtype, device=device),
+                       torch.empty((n, layout.page_size), dtype=torch.int64, device=device))
+        self._codec.decode_into(layout, self._encoded.to(device), out)
+        return out
+
 
 class _Concatenated(EncodedPageData):
     """Encoded parts one after the other, as one run of pages."""
@@ -100,6 +110,9 @@ class _Concatenated(EncodedPageData):
 
     def decode(self) -> PageData:
         return concat_pages([part.decode() for part in self._parts])
+
+    def decode_on(self, device: torch.device) -> PageData:
+        return concat_pages([part.decode_on(device) for part in self._parts])
 
     def decode_into(self, dst: PageData) -> None:
         for part, start in zip(self._parts, self._starts[:-1].tolist()):

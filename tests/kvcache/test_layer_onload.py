@@ -162,3 +162,20 @@ def test_cuda_offloads_of_a_batch_leave_in_one_staged_copy(monkeypatch):
     serve(mgr, users, [9] * 8, [2] * 8)  # onloaded, then 2 more tokens
     _assert_holds(mgr, users, 0, 11)
     mgr.close()
+
+
+@cuda_only
+@pytest.mark.parametrize("codec", ["int8", "bf16", "zstd"])
+def test_encoded_onload_decodes_on_the_device_to_what_the_host_decodes(codec):
+    """int8 and bf16 pages cross the bus encoded and are decoded on the onload stream; zstd's are decoded
+    on the host first. Either way the reloaded K/V equal the CPU pool's, which decodes into its pages."""
+    reloaded = {}
+    for device in ("cpu", "cuda"):
+        with KVCacheManager(_config(device, kv_codec=codec)) as mgr:
+            serve(mgr, [1, 2], [0, 0], [9, 13])
+            mgr.offload_kv_cache()
+            mgr.evict_kv_cache()
+            mgr.commit(mgr.prepare_kv_cache([1, 2], [9, 13], [0, 0]))
+            reloaded[device] = [torch.cat(mgr.read_kv(u, layer)).cpu() for u in (1, 2) for layer in range(NUM_LAYERS)]
+            mgr.check_invariants()
+    assert all(torch.equal(a, b) for a, b in zip(reloaded["cpu"], reloaded["cuda"]))

@@ -52,3 +52,23 @@ def array_of(ids):
     from array import array
 
     return array("q", ids)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8", "mixed", "zstd"])
+def test_decode_on_a_device_equals_the_host_decode(codec):
+    src = _encoded(codec, 6, seed=3)
+    on = src.decode_on(torch.device("cpu"))
+    want = decoded(src)
+    assert torch.equal(on.kv, want.kv) and torch.equal(on.times, want.times)
+    assert torch.equal(src.page_range(1, 5).decode_on(torch.device("cpu")).kv, want.kv[1:5])
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8", "mixed"])
+def test_fixed_width_codecs_decode_where_their_bytes_are(codec):
+    """On the meta device every op runs without data: the decode of these codecs is tensor ops only
+    (nothing that needs the bytes on the host), so on CUDA it runs on the device, after the encoded bytes
+    (a quarter of the decoded ones for int8) have crossed the bus."""
+    src = _encoded(codec, 6, seed=4)
+    on = src.decode_on(torch.device("meta"))
+    assert on.kv.device.type == "meta" and on.kv.shape == decoded(src).kv.shape
+    assert on.times.shape == decoded(src).times.shape
