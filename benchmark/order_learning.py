@@ -33,6 +33,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num_tags", type=int, default=8)
     p.add_argument("--history", type=int, default=64)
     p.add_argument("--learnt_auc", type=float, default=0.75, help="the AUC at which a run counts as having learnt")
+    p.add_argument("--override", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="HSTUConfig fields replaced in every preset (e.g. hidden_dim=256 video_hash_size=200003)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="JSON file")
     p.add_argument("--plot", default=None, help="PNG file: click AUC against steps, one line per run")
@@ -41,30 +43,45 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    overrides = _overrides(args.override)
     task = OrderTask(num_tags=args.num_tags, history=args.history, rule=args.rule, seed=args.seed)
     runs = []
     grid = [(name, lr) for name in args.presets for lr in args.learning_rates]
     for name, lr in tqdm(grid, desc="order learning", file=sys.stderr):
         started = time.perf_counter()
-        progress = learn_order(task, preset(name), args.steps, lr, eval_every=args.eval_every, seed=args.seed)
+        progress = learn_order(task, preset(name, **overrides), args.steps, lr, eval_every=args.eval_every,
+                               seed=args.seed)
         learnt = next((p.step for p in progress if p.auc >= args.learnt_auc), None)
         runs.append({"preset": name, "learning_rate": lr, "seconds": time.perf_counter() - started,
                      "learnt_at_step": learnt, "progress": [asdict(p) for p in progress]})
     print(f"order task: rule {task.rule}, {task.num_tags} tags, {task.history} events, {args.steps} steps, "
-          f"seed {args.seed}; AUC as logged / shuffled, |Δ logit| / std when shuffled")
+          f"seed {args.seed}, overrides {overrides or 'none'}; AUC as logged / shuffled, |Δ logit| / std when shuffled")
     print(f"{'preset':8} {'lr':>8} {'final AUC':>10} {'shuffled':>9} {'|Δ|/std':>8} {'learnt at':>10} {'seconds':>8}")
     for run in runs:
         last = run["progress"][-1]
         learnt = run["learnt_at_step"] if run["learnt_at_step"] is not None else "never"
         print(f"{run['preset']:8} {run['learning_rate']:8.1e} {last['auc']:10.3f} {last['shuffled_auc']:9.3f} "
               f"{last['shuffled_change']:8.3f} {learnt!s:>10} {run['seconds']:8.0f}")
-    report = {"task": asdict(task), "steps": args.steps, "learnt_auc": args.learnt_auc, "runs": runs}
+    report = {"task": asdict(task), "steps": args.steps, "learnt_auc": args.learnt_auc, "overrides": overrides,
+              "runs": runs}
     if args.output:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=2)
     if args.plot:
         _plot(runs, args.plot)
     return 0
+
+
+def _overrides(items: list[str]) -> dict[str, object]:
+    """FIELD=VALUE strings -> HSTUConfig fields, each value parsed as the field's type."""
+    defaults = preset("tiny")
+    out: dict[str, object] = {}
+    for item in items:
+        field, sep, value = item.partition("=")
+        if not sep or not hasattr(defaults, field):
+            raise SystemExit(f"--override {item!r}: expected FIELD=VALUE with an HSTUConfig field")
+        out[field] = type(getattr(defaults, field))(value)
+    return out
 
 
 def _plot(runs: list[dict], path: str) -> None:

@@ -166,7 +166,7 @@ def test_cuda_offloads_of_a_batch_leave_in_one_staged_copy(monkeypatch):
 
 @cuda_only
 @pytest.mark.parametrize("codec", ["int8", "bf16", "zstd"])
-def test_encoded_onload_decodes_on_the_device_to_what_the_host_decodes(codec):
+def test_cuda_onload_of_encoded_pages_equals_the_cpu_pools(codec):
     """int8 and bf16 pages cross the bus encoded and are decoded on the onload stream; zstd's are decoded
     on the host first. Either way the reloaded K/V equal the CPU pool's, which decodes into its pages."""
     reloaded = {}
