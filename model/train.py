@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from data import schema
 from data.dataset import InferenceDataset
 from data.schema import TASKS
 from model.attention import BlockedAttention
@@ -89,8 +90,9 @@ class TrainParams:
     # checkpoint and read by serving): None keeps the preset's; 1 gives every token one position row,
     # which removes absolute positions and leaves order to the relative bias.
     position_table_size: int | None = None
-    # A fresh model embeds each token's video tag (model/video_tags.py) when the dataset has tags.
-    video_tags: bool = True
+    # Embed each token's video tag (model/video_tags.py; the dataset must have tags). Off by default: on
+    # the demo-sized data it gained no AUC (docs/model.md, "Video tags") and cost ~8% of the cached path.
+    video_tags: bool = False
     max_train_requests: int | None = None
     max_train_seconds: float | None = None
     seed: int = 0
@@ -246,6 +248,9 @@ def train(
         if params.position_table_size is not None:
             config = config.replace(position_table_size=params.position_table_size)
         tags = VideoTagTable.from_dataset_dir(dataset.root) if params.video_tags else None
+        if params.video_tags and tags is None:
+            raise ValueError(f"{dataset.root} has no video tags (its source had no "
+                             f"{schema.VIDEO_FEATURES_BASIC}); train without video_tags")
         if tags is not None:
             config = config.replace(num_video_tags=tags.num_rows)
         model = HSTURecommender(config, device=params.device, video_tags=tags)
@@ -330,8 +335,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     script that trains."""
     p.add_argument("--position_table_size", type=int, default=TrainParams.position_table_size,
                    help="absolute position rows of a fresh model (default: the preset's; 1 = no absolute positions)")
-    p.add_argument("--no_video_tags", dest="video_tags", action="store_false",
-                   help="do not embed the dataset's video tags (default: embed them when it has them)")
+    p.add_argument("--video_tags", action="store_true",
+                   help="embed each token's video tag (the dataset's video_tags.parquet)")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -98,3 +98,12 @@ def test_generated_tags_follow_the_clusters(tmp_path: Path):
     agree = counts.max(axis=1).sum() / len(videos)
     assert 0.75 < agree < 0.86  # 0.8 of the videos, plus the random draws that hit their own category
     assert len(np.unique(counts.argmax(axis=1))) == k  # one category per cluster
+
+
+def test_training_with_tags_on_data_without_them_is_refused(tmp_path: Path):
+    from data.dataset import InferenceDataset
+    from model.train import TrainParams, train
+
+    preprocess(raw_dir(tmp_path / "a", None), tmp_path / "out", PreprocessParams(), progress=False)
+    with pytest.raises(ValueError, match="has no video tags"):
+        train(InferenceDataset(tmp_path / "out"), TrainParams(preset="tiny", video_tags=True))

@@ -180,7 +180,7 @@ def test_trainer_embeds_the_datasets_video_tags(dataset, tmp_path):
     from model.video_tags import VideoTagTable
 
     table = VideoTagTable.from_dataset_dir(dataset.root)
-    params = TrainParams(preset="tiny", epochs=1, batch_size=8, seed=0, max_train_requests=16)
+    params = TrainParams(preset="tiny", epochs=1, batch_size=8, seed=0, max_train_requests=16, video_tags=True)
     model, _ = train(dataset, params)
     assert model.config.num_video_tags == table.num_rows
     assert np.array_equal(model.video_tags.tag_rows, table.tag_rows)
