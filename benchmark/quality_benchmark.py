@@ -127,7 +127,8 @@ def run_seed(args: argparse.Namespace, dataset: InferenceDataset, split: Quality
     else:
         params = TrainParams(preset=args.preset, split_date=args.split_date, epochs=args.epochs,
                              max_train_seconds=args.max_train_seconds,
-                             position_table_size=args.position_table_size, video_tags=args.video_tags,
+                             position_table_size=args.position_table_size, video_hash_size=args.video_hash_size,
+                             user_hash_size=args.user_hash_size, video_tags=args.video_tags,
                              seed=seed)
         model, training = train(dataset, params)
         if checkpoint is not None:

@@ -124,11 +124,7 @@ def read_user_features(path: Path) -> pa.Table:
     types.update({f.column: pa.string() if f.is_text else pa.float64() for f in schema.CONTEXT_FEATURES})
     table = read_columns(path, types)
     _check_range(path, "user_id", table.column("user_id"), LOG_VALUE_RANGES[0])
-    ids = table.column("user_id").to_numpy()
-    order = np.argsort(ids, kind="stable")
-    repeated = order[1:][ids[order[1:]] == ids[order[:-1]]]
-    if len(repeated):
-        raise RawDataError(path, "duplicate user_id", column="user_id", line=int(repeated.min()) + 2)
+    _refuse_repeated(path, table, "user_id")
     for feature in schema.CONTEXT_FEATURES:
         if feature.is_text:
             continue
@@ -146,11 +142,7 @@ def read_video_tags(path: Path) -> pa.Table:
     video_id must be unique and non-negative, and every listed id a whole number >= 0."""
     table = read_columns(path, {"video_id": pa.int64(), "tag": pa.string()})
     _check_range(path, "video_id", table.column("video_id"), LOG_VALUE_RANGES[0])
-    ids = table.column("video_id").to_numpy()
-    order = np.argsort(ids, kind="stable")
-    repeated = order[1:][ids[order[1:]] == ids[order[:-1]]]
-    if len(repeated):
-        raise RawDataError(path, "duplicate video_id", column="video_id", line=int(repeated.min()) + 2)
+    _refuse_repeated(path, table, "video_id")
     cells = pc.utf8_trim_whitespace(pc.fill_null(table.column("tag").combine_chunks(), ""))
     tagged = pc.not_equal(cells, "")
     bad = pc.and_(tagged, pc.invert(pc.match_substring_regex(cells, r"^\d{1,18}( *, *\d{1,18})*$")))
@@ -160,6 +152,15 @@ def read_video_tags(path: Path) -> pa.Table:
                            column="tag", line=line)
     primary = pc.utf8_trim_whitespace(pc.list_element(pc.split_pattern(cells.filter(tagged), ","), 0))
     return pa.table({"video_id": table.column("video_id").filter(tagged), "tag": pc.cast(primary, pa.int64())})
+
+
+def _refuse_repeated(path: Path, table: pa.Table, column: str) -> None:
+    """RawDataError at the first line whose `column` value an earlier line already had."""
+    ids = table.column(column).to_numpy()
+    order = np.argsort(ids, kind="stable")
+    repeated = order[1:][ids[order[1:]] == ids[order[:-1]]]
+    if len(repeated):
+        raise RawDataError(path, f"duplicate {column}", column=column, line=int(repeated.min()) + 2)
 
 def _check_range(path: Path, name: str, column: pa.ChunkedArray, allowed: ValueRange) -> None:
     """One min/max pass; the first offending row is located only when there is one."""

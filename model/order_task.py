@@ -80,10 +80,10 @@ class OrderTask:
         else:
             recent_tags = np.where(clicks[:, -self.recent:], history_tags[:, -self.recent:], -1)  # [n, recent]
             clicked = (candidate_tags[:, :, None] == recent_tags[:, None, :]).any(-1)
+        times = T0_MS + np.cumsum(rng.integers(1_000, 60_000, (n, L)), axis=1)  # drawn before any shuffle: kept
         if shuffled:
             order = np.argsort(rng.random((n, L)), axis=1)
             videos, clicks = np.take_along_axis(videos, order, 1), np.take_along_axis(clicks, order, 1)
-        times = T0_MS + np.cumsum(rng.integers(1_000, 60_000, (n, L)), axis=1)
         labels = np.zeros((n * C, len(TASKS)), np.float32)
         labels[:, 0] = clicked.reshape(-1)
         return VisitBatch(

@@ -90,6 +90,10 @@ class TrainParams:
     # checkpoint and read by serving): None keeps the preset's; 1 gives every token one position row,
     # which removes absolute positions and leaves order to the relative bias.
     position_table_size: int | None = None
+    # Id rows of a fresh model (HSTUConfig.video_hash_size, .user_hash_size); None keeps the preset's.
+    # One video row and no user rows leave the model nothing to memorise per id (docs/model.md).
+    video_hash_size: int | None = None
+    user_hash_size: int | None = None
     # Embed each token's video tag (model/video_tags.py; the dataset must have tags). Off by default: on
     # the demo-sized data it gained no AUC (docs/model.md, "Video tags") and cost ~8% of the cached path.
     video_tags: bool = False
@@ -245,8 +249,9 @@ def train(
     rng = np.random.default_rng(params.seed)
     if model is None:
         config = config_for_dataset(params.preset, dataset).replace(dropout=params.dropout)
-        if params.position_table_size is not None:
-            config = config.replace(position_table_size=params.position_table_size)
+        overrides = {name: getattr(params, name) for name in ("position_table_size", "video_hash_size", "user_hash_size")
+                     if getattr(params, name) is not None}
+        config = config.replace(**overrides)
         tags = VideoTagTable.from_dataset_dir(dataset.root) if params.video_tags else None
         if params.video_tags and tags is None:
             raise ValueError(f"{dataset.root} has no video tags (its source had no "
@@ -331,10 +336,13 @@ def _fmt(value: float | None) -> str:
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The options that shape a fresh model (TrainParams.position_table_size, .video_tags), for every
-    script that trains."""
+    """The options that shape a fresh model (TrainParams.position_table_size, .video_hash_size,
+    .user_hash_size, .video_tags), for every script that trains."""
     p.add_argument("--position_table_size", type=int, default=TrainParams.position_table_size,
                    help="absolute position rows of a fresh model (default: the preset's; 1 = no absolute positions)")
+    p.add_argument("--video_hash_size", type=int, default=None, help="video id rows of a fresh model (default: the preset's)")
+    p.add_argument("--user_hash_size", type=int, default=None,
+                   help="user id rows of the user-taste term of a fresh model (default: the preset's; 0 = no term)")
     p.add_argument("--video_tags", action="store_true",
                    help="embed each token's video tag (the dataset's video_tags.parquet)")
 

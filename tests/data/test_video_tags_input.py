@@ -107,3 +107,11 @@ def test_training_with_tags_on_data_without_them_is_refused(tmp_path: Path):
     preprocess(raw_dir(tmp_path / "a", None), tmp_path / "out", PreprocessParams(), progress=False)
     with pytest.raises(ValueError, match="has no video tags"):
         train(InferenceDataset(tmp_path / "out"), TrainParams(preset="tiny", video_tags=True))
+
+
+def test_tag_probe_refuses_data_without_tags(tmp_path: Path, capsys):
+    from tag_probe import main
+
+    preprocess(raw_dir(tmp_path / "a", None), tmp_path / "out", PreprocessParams(), progress=False)
+    assert main(["--data_dir", str(tmp_path / "out")]) == 2
+    assert "has no video tags" in capsys.readouterr().err

@@ -191,3 +191,12 @@ def test_trainer_embeds_the_datasets_video_tags(dataset, tmp_path):
                                score_requests(model, dataset, holdout, 8, progress=False).logits)
     without, _ = train(dataset, replace(params, video_tags=False))
     assert without.config.num_video_tags == 0 and without.video_tags is None
+
+
+def test_trainer_id_row_overrides_reach_the_model(dataset):
+    params = TrainParams(preset="tiny", epochs=1, batch_size=8, seed=0, max_train_requests=16,
+                         video_hash_size=1, user_hash_size=0)
+    model, _ = train(dataset, params)
+    assert (model.config.video_hash_size, model.config.user_hash_size) == (1, 0)
+    assert model.user_taste is None and model.embedder.video_bias.weight.shape[0] == 1
+
