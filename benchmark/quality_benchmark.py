@@ -33,7 +33,7 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import PRESET_NAMES
 from model.evaluation import score_requests
 from model.quality import QualitySplit, QualityTable, compare, quality_split
-from model.train import TrainParams, TrainReport, add_model_arguments, date_to_ms, train
+from model.train import TrainParams, TrainReport, add_recipe_arguments, date_to_ms, recipe_params, train
 
 MODEL = "HSTU"
 CLICK_MARGIN_TARGET = 0.02  # the model's click AUC must exceed the best baseline's by this much
@@ -85,9 +85,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--retrain", action="store_true", help="train even if --checkpoint holds a model")
     p.add_argument("--preset", default=d.preset, choices=PRESET_NAMES)
     p.add_argument("--split_date", type=int, default=d.split_date, help="YYYYMMDD: train before, evaluate from")
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--max_train_seconds", type=float, default=None)
-    add_model_arguments(p)
+    add_recipe_arguments(p)
     p.add_argument("--max_eval_requests", type=int, default=None, help="evaluate only the first N visits")
     p.add_argument("--batch_size", type=int, default=8, help="scoring batch size")
     p.add_argument("--full_recompute", action="store_true",
@@ -125,11 +123,7 @@ def run_seed(args: argparse.Namespace, dataset: InferenceDataset, split: Quality
     if checkpoint is not None and (Path(checkpoint) / "model.pt").is_file() and not args.retrain:
         model = load_checkpoint(checkpoint).model.eval()
     else:
-        params = TrainParams(preset=args.preset, split_date=args.split_date, epochs=args.epochs,
-                             max_train_seconds=args.max_train_seconds,
-                             position_table_size=args.position_table_size, video_hash_size=args.video_hash_size,
-                             user_hash_size=args.user_hash_size, video_tags=args.video_tags,
-                             seed=seed)
+        params = recipe_params(args, preset=args.preset, split_date=args.split_date, seed=seed)
         model, training = train(dataset, params)
         if checkpoint is not None:
             save_checkpoint(model, checkpoint, metadata={"train": asdict(training), "params": asdict(params)})

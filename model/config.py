@@ -25,6 +25,10 @@ class HSTUConfig:
     num_position_buckets: int = 0
     num_time_buckets: int = 0
     window_stride: int = 1024  # a window restart moves the window start by multiples of this (events)
+    # Sliding-window attention (model/attention/base.py KeyWindow): each query sees its last
+    # attention_window keys and the contextual prefix; 0 = every key of the window. A model trained on
+    # crops of its last K events is served the same view when this is K (docs/model.md).
+    attention_window: int = 0
     dropout: float = 0.0  # used in training only
     # Embeddings (all through one TorchRec EmbeddingCollection)
     video_hash_size: int = 1_000_003  # video ids are hashed (mod a prime) into this many rows
@@ -60,6 +64,7 @@ class HSTUConfig:
             "window_stride must be in [1, max_seq_len - prefix]": 1
             <= self.window_stride
             <= self.max_seq_len - self.num_prefix_tokens,
+            "attention_window must be >= 0": self.attention_window >= 0,
             "position_table_size must be >= 1": self.position_table_size >= 1,
             "num_time_gap_buckets must be >= 1": self.num_time_gap_buckets >= 1,
             "video_hash_size must be >= 1": self.video_hash_size >= 1,

@@ -6,7 +6,9 @@
     out  = x + W_o(u ⊙ LN(A V))
 
 rab_p and rab_t are the layer's relative position and time bias (model/attention/relative_bias.py;
-absent when the config has no buckets for them).
+absent when the config has no buckets for them). With `config.attention_window` = K, query i sees
+only keys j > i - K (its last K keys) and the contextual prefix: the view of a long history that a
+model trained on K-event crops was trained on.
 
 Rows of x [T, d] are every user's *history* tokens (prefix + events, causal, the only ones
 written to the KV cache), then every user's *candidates* (M-FALCON: each sees all history and

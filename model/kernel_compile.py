@@ -9,9 +9,9 @@ launches, and checks each one's shared memory per block against the H100's limit
 
 The attention kernel's variants are its constexprs (`triton_attention.KernelConstants`) for every
 preset's head_dim and relative bias, fp32 and bf16, contiguous keys and the serving page size. Its
-split count and history row offset are runtime arguments that Triton does not specialise on, so one
-binary serves every allowed split; the KV append kernel has one variant per dtype (row widths are
-runtime). Pointers and strides are compiled 16-divisible, as every launch of these shapes passes
+split count, history row offset and key window are runtime arguments that Triton does not
+specialise on, so one binary serves every allowed split and window; the KV append kernel has one
+variant per dtype (row widths are runtime). Pointers and strides are compiled 16-divisible, as every launch of these shapes passes
 them, so the binary is the one Triton builds when serving.
 
 Triton decides at import whether kernels compile or interpret: run this without TRITON_INTERPRET
@@ -114,7 +114,7 @@ def _attention_signature(dtype: torch.dtype) -> tuple[dict[str, str], set[str]]:
         elif name.startswith("stride_"):
             signature[name] = "i32"
             divisible.add(name)
-        elif name in ("history_rows", "num_splits"):  # do_not_specialize: any value, no attributes
+        elif name in ("history_rows", "num_splits", "key_window", "key_sink"):  # do_not_specialize: any value, no attributes
             signature[name] = "i32"
         else:  # the plan's int32 arrays
             signature[name] = "*i32"

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from data.batch import VisitBatch
 from model import attention
-from model.attention import AttentionBackend, AttentionBatch, BatchAttention, BiasInputs, registry
+from model.attention import AttentionBackend, AttentionBatch, BatchAttention, BiasInputs, KeyWindow, registry
 from model.batch_shape import BatchShape
 from model.config import NUM_ACTION_IDS, HSTUConfig
 from model.counter_features import CounterFeatures
@@ -163,8 +163,10 @@ class HSTURecommender(nn.Module):
         if batch.candidate_history_ends is not None:  # history targets: each sees the window up to its own event
             window_starts = np.repeat(batch.window_starts, batch.candidate_lengths)
             key_ends = self.layout.num_prefix + batch.candidate_history_ends - window_starts
+        window = self.config.attention_window
+        key_window = KeyWindow(window, sink=self.layout.num_prefix) if window else None
         attention_batch = AttentionBatch.of(spans.history_lengths, batch.candidate_lengths, kv.cached_lengths,
-                                            kv.addressing, shape, bucketed, key_ends)
+                                            kv.addressing, shape, bucketed, key_ends, key_window)
         return self.resolved_attention_backend().plan(attention_batch)
 
     def _staging_for(self, device: torch.device) -> DeviceStaging:

@@ -83,6 +83,9 @@ class TrainParams:
     dropout: float = 0.3
     warmup_steps: int = 20  # linear warm-up, then cosine decay to 10% over the planned steps
     max_history_events: int | None = 128  # training crops each visit to its last events (None: whole window)
+    # The sliding attention window of a fresh model (HSTUConfig.attention_window): None serves the crop
+    # it was trained on (max_history_events; the whole window without a crop), 0 the whole window.
+    attention_window: int | None = None
     # Each visit's last events scored as targets too, each seeing only the events before it
     # (InferenceDataset.make_batch(history_targets=)); 0: the visits' candidates only.
     history_targets: int = 0
@@ -251,7 +254,7 @@ def train(
         config = config_for_dataset(params.preset, dataset).replace(dropout=params.dropout)
         overrides = {name: getattr(params, name) for name in ("position_table_size", "video_hash_size", "user_hash_size")
                      if getattr(params, name) is not None}
-        config = config.replace(**overrides)
+        config = config.replace(**overrides, attention_window=trained_attention_window(params))
         tags = VideoTagTable.from_dataset_dir(dataset.root) if params.video_tags else None
         if params.video_tags and tags is None:
             raise ValueError(f"{dataset.root} has no video tags (its source had no "
@@ -335,16 +338,63 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
+def trained_attention_window(params: TrainParams) -> int:
+    """The attention window a fresh model is trained and served with: what a candidate saw in training
+    (docs/model.md, "The attention window")."""
+    if params.attention_window is not None:
+        return params.attention_window
+    return params.max_history_events or 0
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The options that shape a fresh model (TrainParams.position_table_size, .video_hash_size,
-    .user_hash_size, .video_tags), for every script that trains."""
+    .user_hash_size, .video_tags, .attention_window), for every script that trains."""
     p.add_argument("--position_table_size", type=int, default=TrainParams.position_table_size,
                    help="absolute position rows of a fresh model (default: the preset's; 1 = no absolute positions)")
     p.add_argument("--video_hash_size", type=int, default=None, help="video id rows of a fresh model (default: the preset's)")
     p.add_argument("--user_hash_size", type=int, default=None,
                    help="user id rows of the user-taste term of a fresh model (default: the preset's; 0 = no term)")
+    p.add_argument("--attention_window", type=int, default=None,
+                   help="each query attends to its last N events and the prefix (default: the training crop, "
+                        "--max_history_events; 0 = the whole window)")
     p.add_argument("--video_tags", action="store_true",
                    help="embed each token's video tag (the dataset's video_tags.parquet)")
+
+
+def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
+    """How a model is trained (the TrainParams fields of `recipe_params`, but the batch size), for every
+    script that trains: the trainer and the quality benchmark train with the same options."""
+    d = TrainParams()
+    p.add_argument("--epochs", type=int, default=d.epochs, help="at most (early stopping on the holdout, see --select_on)")
+    p.add_argument("--patience", type=int, default=d.patience)
+    p.add_argument("--warmup_steps", type=int, default=d.warmup_steps)
+    p.add_argument("--max_history_events", type=int, default=d.max_history_events,
+                   help="training crops each visit's window to its last N events")
+    p.add_argument("--history_targets", type=int, default=d.history_targets,
+                   help="score each visit's last N history events as training targets too (each sees the events before it)")
+    p.add_argument("--dropout", type=float, default=d.dropout, help="dropout of the layers while training")
+    p.add_argument("--learning_rate", type=float, default=d.learning_rate)
+    p.add_argument("--embedding_learning_rate", type=float, default=d.embedding_learning_rate)
+    p.add_argument("--video_bias_learning_rate", type=float, default=d.video_bias_learning_rate)
+    p.add_argument("--taste_learning_rate", type=float, default=d.taste_learning_rate)
+    p.add_argument("--taste_l2", type=float, default=d.taste_l2, help="L2 on the user-taste rows a batch reads")
+    p.add_argument("--counter_learning_rate", type=float, default=d.counter_learning_rate)
+    p.add_argument("--select_on", choices=SELECT_ON, default=d.select_on,
+                   help="the holdout score that picks the kept epoch")
+    p.add_argument("--video_l2", type=float, default=d.video_l2, help="L2 on the video rows a batch reads")
+    p.add_argument("--max_train_seconds", type=float, default=None)
+    add_model_arguments(p)
+
+
+_RECIPE_FIELDS = ("epochs", "patience", "warmup_steps", "max_history_events", "history_targets", "dropout",
+                  "learning_rate", "embedding_learning_rate", "video_bias_learning_rate", "taste_learning_rate",
+                  "taste_l2", "counter_learning_rate", "select_on", "video_l2", "max_train_seconds",
+                  "position_table_size", "video_hash_size", "user_hash_size", "attention_window", "video_tags")
+
+
+def recipe_params(args: argparse.Namespace, **fields) -> TrainParams:
+    """TrainParams from the options of `add_recipe_arguments`, with `fields` (preset, seed, ...) beside them."""
+    return TrainParams(**{name: getattr(args, name) for name in _RECIPE_FIELDS}, **fields)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -355,27 +405,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default=d.preset, choices=PRESET_NAMES)
     p.add_argument("--split_date", type=int, default=d.split_date, help="YYYYMMDD; train on visits before it")
     p.add_argument("--holdout_fraction", type=float, default=d.holdout_fraction)
-    p.add_argument("--epochs", type=int, default=d.epochs, help="at most (early stopping on the holdout, see --select_on)")
-    p.add_argument("--patience", type=int, default=d.patience)
-    p.add_argument("--warmup_steps", type=int, default=d.warmup_steps)
-    p.add_argument("--max_history_events", type=int, default=d.max_history_events,
-                   help="training crops each visit's window to its last N events")
-    p.add_argument("--history_targets", type=int, default=d.history_targets,
-                   help="score each visit's last N history events as training targets too (each sees the events before it)")
-    p.add_argument("--dropout", type=float, default=d.dropout, help="dropout of the layers while training")
-    add_model_arguments(p)
+    add_recipe_arguments(p)
     p.add_argument("--batch_size", type=int, default=d.batch_size)
-    p.add_argument("--learning_rate", type=float, default=d.learning_rate)
-    p.add_argument("--embedding_learning_rate", type=float, default=d.embedding_learning_rate)
-    p.add_argument("--video_bias_learning_rate", type=float, default=d.video_bias_learning_rate)
-    p.add_argument("--taste_learning_rate", type=float, default=d.taste_learning_rate)
-    p.add_argument("--taste_l2", type=float, default=d.taste_l2, help="L2 on the user-taste rows a batch reads")
-    p.add_argument("--counter_learning_rate", type=float, default=d.counter_learning_rate)
-    p.add_argument("--select_on", choices=SELECT_ON, default=d.select_on,
-                   help="the holdout score that picks the kept epoch")
-    p.add_argument("--video_l2", type=float, default=d.video_l2, help="L2 on the video rows a batch reads")
     p.add_argument("--max_train_requests", type=int, default=None)
-    p.add_argument("--max_train_seconds", type=float, default=None)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device)
     return p.parse_args(argv)
@@ -384,7 +416,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = _parse_args(argv)
-    params = TrainParams(**{k: v for k, v in vars(args).items() if k not in ("data_dir", "checkpoint")})
+    params = recipe_params(args, preset=args.preset, split_date=args.split_date,
+                           holdout_fraction=args.holdout_fraction, batch_size=args.batch_size,
+                           max_train_requests=args.max_train_requests, seed=args.seed, device=args.device)
     try:
         dataset = InferenceDataset(args.data_dir)
     except (FileNotFoundError, ValueError) as err:

@@ -278,20 +278,21 @@ def reference_bias(bias, query_position: int, key_position: int, query_time: int
 
 
 def dense_hstu_reference(q_hist, q_cand, k_cand, v_cand, k_window, v_window, num_cached, alpha, normalizer,
-                         bias=None, window_times=None, candidate_times=None):
+                         bias=None, window_times=None, candidate_times=None, key_window=None):
     """One user's HSTU attention straight from the math (docs/model.md, "The layer"), one query row at a time:
     history rows causal over the window, each candidate over the whole window and itself; with `bias` (a
-    RelativeAttentionBias), its relative bias by window position and `window_times` [T] / `candidate_times` [m].
+    RelativeAttentionBias), its relative bias by window position and `window_times` [T] / `candidate_times` [m];
+    with `key_window` (a KeyWindow), only the window's keys of each query and its sink.
     -> (history outputs [n, H, D], candidate outputs [m, H, D])"""
     n, m, T = q_hist.shape[0], q_cand.shape[0], k_window.shape[0]
     keys, values, queries = torch.cat([k_window, k_cand]), torch.cat([v_window, v_cand]), torch.cat([q_hist, q_cand])
     outputs = []
     for i in range(n + m):
         visible = torch.zeros(T + m, dtype=torch.bool)
-        if i < n:
-            visible[: num_cached + i + 1] = True
-        else:
-            visible[:T] = True
+        key_end = num_cached + i + 1 if i < n else T
+        for j in range(key_end):
+            visible[j] = key_window is None or key_window.sees(j, key_end)
+        if i >= n:
             visible[T + i - n] = True
         logits = alpha * torch.einsum("hd,khd->hk", queries[i], keys)  # [H, T + m]
         if bias is not None:
@@ -329,6 +330,7 @@ class AttentionCase:
     bias: object  # model.attention.RelativeAttentionBias with random tables
     alpha: float = 0.3
     normalizer: float = 64.0
+    key_window: object = None  # model.attention.KeyWindow the reference applies
 
     def rows(self, b: int) -> tuple[slice, slice]:
         """User b's history rows and candidate rows of q/k/v."""
@@ -347,7 +349,7 @@ class AttentionCase:
         return dense_hstu_reference(
             self.q[h].double(), self.q[c].double(), self.k[c].double(), self.v[c].double(),
             torch.cat([self.windows[b][0], self.k[h]]).double(), torch.cat([self.windows[b][1], self.v[h]]).double(),
-            self.cached[b], self.alpha, self.normalizer, *bias,
+            self.cached[b], self.alpha, self.normalizer, *bias, key_window=self.key_window,
         )
 
 

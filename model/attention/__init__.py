@@ -13,6 +13,7 @@ from model.attention.base import (
     BatchAttention,
     KernelVariant,
     KeyAddressing,
+    KeyWindow,
     attend,
     host_inputs,
     recording_variants,
@@ -23,6 +24,6 @@ from model.attention.triton_backend import TritonAttention
 
 __all__ = [
     "AttentionBackend", "AttentionBatch", "AttentionPlan", "BatchAttention", "BiasInputs", "BlockedAttention",
-    "KernelVariant", "KeyAddressing", "RelativeAttentionBias", "TritonAttention", "attend", "host_inputs",
+    "KernelVariant", "KeyAddressing", "KeyWindow", "RelativeAttentionBias", "TritonAttention", "attend", "host_inputs",
     "recording_variants", "registry", "triton_attention",
 ]

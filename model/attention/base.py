@@ -24,6 +24,8 @@ i sees j <= c_b + i (causal); every candidate sees the whole window, j < L_b, pl
 another candidate). A training batch whose targets are drawn from the history gives each candidate
 its own key end instead (`candidate_key_ends`: the target's own window position, so it sees only
 the events before it); a backend that cannot honour them says so (`supports_candidate_key_ends`).
+With a `KeyWindow` (sliding-window attention) a query with key end e sees only keys
+e - size <= j < e, and always the window's first `sink` keys (the contextual prefix).
 """
 from __future__ import annotations
 
@@ -65,6 +67,31 @@ class KeyAddressing:
 
 
 @dataclass(frozen=True)
+class KeyWindow:
+    """Sliding-window attention: a query with key end e sees keys e - size <= j < e, and keys j < sink.
+
+    Every key's output depends only on keys at most `size` before it, so K/V appended by an earlier
+    visit stay exact: the cache serves a windowed model as it serves any other. A model trained on
+    crops of its last `size` events is served the same view of a long history (docs/model.md).
+
+    >>> window = KeyWindow(size=3, sink=1)
+    >>> [j for j in range(8) if window.sees(j, key_end=8)]
+    [0, 5, 6, 7]
+    """
+
+    size: int  # keys before the query's key end it sees (its own included, for a history query)
+    sink: int = 0  # the window's first keys, seen by every query (the contextual prefix)
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.sink < 0:
+            raise ValueError(f"a KeyWindow needs size >= 1 and sink >= 0, got size={self.size}, sink={self.sink}")
+
+    def sees(self, key: int, key_end: int) -> bool:
+        """Whether a query with this key end sees key position `key` (the causal end included)."""
+        return key < key_end and (key >= key_end - self.size or key < self.sink)
+
+
+@dataclass(frozen=True)
 class AttentionBatch:
     """What every backend is told about a batch: each user's query and key extents, where its keys
     live, and the row capacities of the batch's tensors."""
@@ -78,10 +105,12 @@ class AttentionBatch:
     # the bucket (windows up to the model's max_seq_len), so that one capture replays them all.
     bucketed: bool = False
     candidate_key_ends: np.ndarray | None = None  # [M] int64, window positions; None: each window's length
+    key_window: KeyWindow | None = None  # None: every query sees all keys up to its key end
 
     @classmethod
     def of(cls, history_lengths, candidate_lengths, cached_lengths, addressing: KeyAddressing,
-           shape: BatchShape | None = None, bucketed: bool = False, candidate_key_ends=None) -> AttentionBatch:
+           shape: BatchShape | None = None, bucketed: bool = False, candidate_key_ends=None,
+           key_window: KeyWindow | None = None) -> AttentionBatch:
         """Lengths as int64 arrays; `shape` defaults to the exact one; key ends are checked against the windows."""
         n, m, c = (np.asarray(a, dtype=np.int64) for a in (history_lengths, candidate_lengths, cached_lengths))
         shape = shape or BatchShape.exact(len(n), int(n.sum()), int(m.sum()))
@@ -91,7 +120,7 @@ class AttentionBatch:
             if len(candidate_key_ends) != len(window) or np.any((candidate_key_ends < 0) | (candidate_key_ends > window)):
                 raise ValueError(f"candidate_key_ends must hold one key end in [0, window length] per candidate "
                                  f"({len(window)})")
-        return cls(n, m, c, addressing, shape, bucketed, candidate_key_ends)
+        return cls(n, m, c, addressing, shape, bucketed, candidate_key_ends, key_window)
 
     @cached_property
     def history_offsets(self) -> np.ndarray:  # [B + 1]

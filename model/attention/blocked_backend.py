@@ -19,7 +19,8 @@ from model.attention.blocked_schedule import BlockSchedule, BlockScheduler, quer
 from model.attention.relative_bias import BiasInputs, RelativeAttentionBias
 
 _SCHEDULE_FIELDS = (
-    "block_rows", "block_key_end", "block_query_positions", "pair_blocks", "key_rows", "key_positions", "row_source",
+    "block_rows", "block_key_end", "block_key_start", "block_query_positions", "pair_blocks", "key_rows",
+    "key_positions", "row_source",
 )
 
 
@@ -73,4 +74,5 @@ class BlockedAttention(AttentionBackend):
         return blocked_hstu_attention(
             q, k, v, keys, values, schedule_arrays, schedule.num_blocks, schedule.num_pairs, plan.num_history_rows,
             alpha, normalizer, bias=bias, bias_inputs=bias_inputs, schedule_name=which,
+            key_window_sink=schedule.sink if plan.batch.key_window else None,
         )

@@ -2,7 +2,8 @@
 
 Every user's query rows (model/attention/base.py) are cut into blocks of `query_block` rows and its
 keys into blocks of `key_block`; a pair exists only if some query of the block sees some key of
-the block, so masked-out blocks above the causal diagonal are never visited. A plan has a schedule
+the block, so masked-out blocks above the causal diagonal, and with a `KeyWindow` those before
+every row's window (but the prefix's), are never visited. A plan has a schedule
 for all query rows and one for candidates only (the last layer needs no history outputs).
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ class BlockSchedule:
     block_first_row: np.ndarray  # [Q] its first row in the user's query sequence [history | candidates]
     block_rows: np.ndarray  # [Q, query_block] row of q, or T (a padding row) past the block's end
     block_key_end: np.ndarray  # [Q, query_block] keys j < key_end are seen (0 for padding)
+    block_key_start: np.ndarray  # [Q, query_block] ... and j >= key_start, or j < sink (all 0 without a window)
+    sink: int  # keys every query sees, whatever its key start (the window's contextual prefix)
     block_query_positions: np.ndarray  # [Q, query_block] window position of the query (relative bias; 0 for padding)
     pair_blocks: np.ndarray  # [P] the query block of each pair (pairs of a block are consecutive)
     key_rows: np.ndarray  # [P, key_block] row of the key/value tensor (the user's key 0 for padding)
@@ -73,6 +76,7 @@ class BlockScheduler:
         self.n, self.m, self.c = batch.history_lengths, batch.candidate_lengths, batch.cached_lengths
         self.kb = key_block
         self.candidate_key_ends = batch.candidate_key_ends
+        self.key_window = batch.key_window
         self.history_offsets, self.candidate_offsets = batch.history_offsets, batch.candidate_offsets
         self.addressing = batch.addressing
         self.n_hist = batch.shape.history_rows  # candidate rows start here
@@ -107,6 +111,12 @@ class BlockScheduler:
         valid_row = row < seq_len[block_user, None]
         key_end = np.where(valid_row, self.key_end(block_user[:, None], row), 0)  # [Q, QB]
         keys_seen = key_end.max(axis=1, initial=0)  # the keys the block's rows see at most
+        window, sink = self.key_window, self.key_window.sink if self.key_window else 0
+        key_start = np.maximum(key_end - window.size, 0) if window else np.zeros_like(key_end)
+        # Key blocks visited: the sink's (unless the window reaches them), then first_block .. the last seen.
+        end_block = -(-keys_seen // kb)
+        first_block = np.minimum(np.where(valid_row, key_start, NO_KEY).min(axis=1) // kb, end_block)
+        sink_blocks = np.minimum(-(-sink // kb), first_block)
         is_history = row < self.n[block_user, None]
         q_rows = np.where(
             is_history,
@@ -117,9 +127,11 @@ class BlockScheduler:
         row_source = np.full(self.num_rows, q_rows.size, dtype=np.int64)
         row_source[q_rows[valid_row]] = np.flatnonzero(valid_row)
 
-        pair_block, k_rank = row_ids_and_ranks(-(-keys_seen // kb))
+        pair_block, k_rank = row_ids_and_ranks(sink_blocks + end_block - first_block)
         user = block_user[pair_block]
-        pos = k_rank[:, None] * kb + np.arange(kb)  # [P, KB]
+        skipped = first_block[pair_block] - sink_blocks[pair_block]  # blocks between the sink and the window
+        key_block = np.where(k_rank < sink_blocks[pair_block], k_rank, k_rank + skipped)
+        pos = key_block[:, None] * kb + np.arange(kb)  # [P, KB]
         valid_key = pos < (self.c + self.n)[user, None]
         # A padding slot reads the user's key 0 (a pair exists only if the user has keys): real data,
         # never an unwritten slot, so a masked score times its value is exactly 0.
@@ -130,6 +142,8 @@ class BlockScheduler:
             block_first_row=block_first,
             block_rows=q_rows,
             block_key_end=key_end,
+            block_key_start=np.where(valid_row, key_start, 0),
+            sink=sink,
             block_query_positions=np.where(valid_row, self.query_position(block_user[:, None], row), 0),
             pair_blocks=pair_block,
             key_rows=k_rows,

@@ -11,7 +11,8 @@ so the window is never gathered into a new tensor. Scores SiLU(α q·k) are mask
 (history row i sees j <= c_b + i; a candidate sees j < c_b + n_b) and never written to memory;
 the candidate's own key/value (M-FALCON: itself, no other candidate) is added by the tile.
 Accumulation is in fp32. The key range stops at the tile's last row's key end, so blocks
-above the causal diagonal are never visited.
+above the causal diagonal are never visited; with a key window (base.KeyWindow) it starts at the
+tile's first row's window start, visiting the sink's blocks (the contextual prefix) before it.
 
 With a relative bias (model/attention/relative_bias.py) the tile computes each score's position
 and time buckets in registers, from the key's window position and its time (read beside the key:
@@ -46,6 +47,7 @@ import torch
 from torch import Tensor
 
 from model.attention import relative_bias
+from model.attention.base import KeyWindow
 from model.attention.relative_bias import BiasInputs, RelativeAttentionBias
 
 try:
@@ -59,6 +61,7 @@ BLOCK_M = 64  # query rows per tile
 BLOCK_N = 64  # keys per step
 MAX_SPLITS = 16
 TARGET_PROGRAMS_PER_SM = 2
+NO_KEY_WINDOW = 1 << 30  # the key window size that stands for none: beyond every window's length
 
 
 def available() -> bool:
@@ -127,12 +130,12 @@ if triton is not None:
 
     # num_splits and history_rows change from batch to batch: specialising on them (Triton does for ints
     # equal to 1 or divisible by 16) would compile new variants while serving.
-    @triton.jit(do_not_specialize=["num_splits", "history_rows"])
+    @triton.jit(do_not_specialize=["num_splits", "history_rows", "key_window", "key_sink"])
     def _hstu_attention_kernel(
         Q, K, V, KEYS, VALUES, OUT,
         history_offsets, candidate_offsets, cached_lengths, page_indptr, page_indices, tile_users, tile_rows,
         QUERY_TIMES, KEY_TIMES, POSITION_BIAS, TIME_BIAS,
-        history_rows, num_splits, alpha, inv_normalizer,
+        history_rows, num_splits, key_window, key_sink, alpha, inv_normalizer,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_keys_t, stride_keys_h, stride_values_t, stride_values_h,
         stride_os, stride_ot, stride_oh,
@@ -167,12 +170,18 @@ if triton is not None:
         last = tl.minimum(row0 + BM, n + m) - 1
         tile_keys = tl.where(last < n, c + last + 1, window)
         blocks = tl.cdiv(tile_keys, BN)
-        per_split = tl.cdiv(blocks, num_splits)
-        first_block = split * per_split
-        last_block = tl.minimum(blocks, first_block + per_split)
+        # The blocks visited: the sink's, then those from the first row's window start (0 without a window).
+        tile_start = tl.maximum(tl.where(row0 < n, c + row0 + 1, window) - key_window, 0)
+        start_block = tl.minimum(tile_start // BN, blocks)
+        sink_blocks = tl.minimum(tl.cdiv(key_sink, BN), start_block)
+        visits = sink_blocks + blocks - start_block
+        per_split = tl.cdiv(visits, num_splits)
+        first_visit = split * per_split
+        last_visit = tl.minimum(visits, first_visit + per_split)
 
         acc = tl.zeros((BM, HEAD_DIM), dtype=tl.float32)
-        for block in range(first_block, last_block):
+        for visit in range(first_visit, last_visit):
+            block = visit + (visit >= sink_blocks).to(tl.int32) * (start_block - sink_blocks)
             keys = block * BN + tl.arange(0, BN)
             valid_key = keys < window
             if PAGE_SIZE > 0:
@@ -198,7 +207,9 @@ if triton is not None:
                 bucket = tl.where((query_times[:, None] < 0) | (key_times[None, :] < 0), TIME_BUCKETS, bucket)
                 scores += tl.load(TIME_BIAS + head * (TIME_BUCKETS + 1) + bucket)
             scores = scores * tl.sigmoid(scores)
-            scores = tl.where(keys[None, :] < key_end[:, None], scores, 0.0)
+            seen = (keys[None, :] < key_end[:, None]) & ((keys[None, :] >= key_end[:, None] - key_window)
+                                                        | (keys[None, :] < key_sink))
+            scores = tl.where(seen, scores, 0.0)
             v = tl.load(VALUES + key_rows[:, None] * stride_values_t + head * stride_values_h + dims[None, :],
                         mask=valid_key[:, None], other=0.0)
             if UPCAST:
@@ -265,6 +276,7 @@ def triton_hstu_attention(
     normalizer: float,
     bias: RelativeAttentionBias | None = None,
     bias_inputs: BiasInputs | None = None,
+    key_window: KeyWindow | None = None,
 ) -> Tensor:
     """-> [T, H, D] in q's dtype; rows no tile covers are 0."""
     T, H, D = q.shape
@@ -280,13 +292,14 @@ def triton_hstu_attention(
     # variant serves every split (bf16 at one split pays a cast of the output, not a compile).
     out = torch.zeros((splits, T, H, D), dtype=torch.float32, device=q.device)
     constants = kernel_constants(page_size, D, q.dtype, position_buckets, time_buckets)
+    window_size, window_sink = (key_window.size, key_window.sink) if key_window else (NO_KEY_WINDOW, 0)
     if tiles:
         _hstu_attention_kernel[(tiles, H, splits)](
             q, k, v, keys, values, out,
             arrays["history_offsets"], arrays["candidate_offsets"], arrays["cached_lengths"],
             arrays["page_indptr"], arrays["page_indices"], arrays["tile_users"], arrays["tile_rows"],
             query_times, key_times, position_bias, time_bias,
-            history_rows, splits, alpha, 1.0 / normalizer,
+            history_rows, splits, window_size, window_sink, alpha, 1.0 / normalizer,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
             out.stride(0), out.stride(1), out.stride(2),

@@ -105,5 +105,5 @@ class TritonAttention(AttentionBackend):
         launch["tile_users"], launch["tile_rows"] = arrays[f"{which}.tile_users"], arrays[f"{which}.tile_rows"]
         return triton_hstu_attention(
             q, k, v, keys, values, launch, plan.num_history_rows, plan.batch.addressing.page_size, plan.splits,
-            alpha, normalizer, bias=bias, bias_inputs=bias_inputs,
+            alpha, normalizer, bias=bias, bias_inputs=bias_inputs, key_window=plan.batch.key_window,
         )

@@ -21,3 +21,20 @@ def test_power_of_two_head_dims_are_accepted(head_dim):
 def test_every_preset_is_valid_and_round_trips(name):
     config = preset(name)
     assert HSTUConfig.from_dict(config.to_dict()) == config
+
+
+def test_a_negative_attention_window_is_refused():
+    with pytest.raises(ValueError, match="attention_window must be >= 0"):
+        HSTUConfig(attention_window=-1)
+
+
+def test_a_checkpoint_from_before_the_window_attends_to_its_whole_window():
+    old = {k: v for k, v in preset("tiny").to_dict().items() if k != "attention_window"}
+    assert HSTUConfig.from_dict(old).attention_window == 0
+
+
+@pytest.mark.parametrize("crop, asked, served", [(128, None, 128), (None, None, 0), (128, 0, 0), (128, 64, 64)])
+def test_a_fresh_model_is_served_the_window_it_was_trained_on(crop, asked, served):
+    from model.train import TrainParams, trained_attention_window
+
+    assert trained_attention_window(TrainParams(max_history_events=crop, attention_window=asked)) == served

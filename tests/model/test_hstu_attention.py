@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from helpers import paged_attention_case
-from model.attention import AttentionBatch, BatchAttention, BlockedAttention, KeyAddressing, attend, host_inputs
+from model.attention import (
+    AttentionBatch,
+    BatchAttention,
+    BlockedAttention,
+    KeyAddressing,
+    KeyWindow,
+    attend,
+    host_inputs,
+)
 from model.attention.blocked_schedule import QUERY_BLOCKS, query_block_for
 
 H, D, ALPHA, N = 2, 8, 0.3, 64.0
@@ -20,13 +28,38 @@ def test_batched_attention_matches_the_dense_reference(page_size, query_block, k
     cached = [0] * 5 if page_size == 0 else [0, 20, 50, 3, 9]
     new, cands = [1, 13, 0, 16, 40], [1, 3, 4, 0, 7]  # no new events; no candidates
     case = paged_attention_case(rng, cached, new, cands, page_size, heads=H, head_dim=D)
+    _check(case, BlockedAttention(query_block, key_block), with_bias)
+
+
+@pytest.mark.parametrize("key_window", [KeyWindow(1), KeyWindow(6), KeyWindow(9, sink=2), KeyWindow(5, sink=11),
+                                        KeyWindow(30, sink=1)])
+@pytest.mark.parametrize("page_size", [0, 4])
+@pytest.mark.parametrize("query_block, key_block", [(4, 8), (3, 5), (None, None)])
+def test_a_key_window_sees_its_last_keys_and_the_sink(key_window, page_size, query_block, key_block):
+    rng = np.random.default_rng(key_window.size + page_size)
+    cached = [0] * 3 if page_size == 0 else [0, 40, 17]
+    case = paged_attention_case(rng, cached, [30, 13, 2], [2, 3, 4], page_size, heads=H, head_dim=D)
+    case.key_window = key_window
+    _check(case, BlockedAttention(query_block, key_block), with_bias=True)
+
+
+def test_a_key_window_skips_the_key_blocks_before_it():
+    """A cached visit of a long window visits only the blocks of its last keys and of the sink."""
+    window = AttentionBatch.of([10], [64], [2000], KeyAddressing(0), key_window=KeyWindow(100, sink=2))
+    plan = BlockedAttention(query_block=16, key_block=64).plan(window)
+    visited = np.unique(plan.candidate_rows.key_positions[plan.candidate_rows.key_positions < 1 << 40] // 64)
+    assert visited.tolist() == [0, *range((2010 - 100) // 64, -(-2010 // 64))]
+
+
+def _check(case, backend, with_bias):
     q, k, v, keys, values = case.q, case.k, case.v, case.keys, case.values
-    plan = BlockedAttention(query_block, key_block).plan(AttentionBatch.of(new, cands, cached, case.addressing))
+    batch = AttentionBatch.of(case.new, case.cands, case.cached, case.addressing, key_window=case.key_window)
+    plan = backend.plan(batch)
     attention = BatchAttention.from_device(plan, {name: torch.from_numpy(a) for name, a in host_inputs(plan).items()})
     bias = dict(bias=case.bias, bias_inputs=case.bias_inputs()) if with_bias else {}
     out = attend(q, k, v, keys, values, attention, candidates_only=False, alpha=ALPHA, normalizer=N, **bias)
     cand_only = attend(q, k, v, keys, values, attention, candidates_only=True, alpha=ALPHA, normalizer=N, **bias)
-    for b in range(len(new)):
+    for b in range(len(case.new)):
         h, c = case.rows(b)
         ref_hist, ref_cand = case.reference(b, with_bias)
         torch.testing.assert_close(out[h], ref_hist)

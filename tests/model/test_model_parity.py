@@ -97,6 +97,43 @@ def test_parity_across_window_restarts(device):
     assert any(int(model.layout.window_start(np.array([len(h.video_ids)]))[0]) > 0 for h in histories.values())
 
 
+def _backends():
+    from model.attention import triton_attention
+
+    return ["blocked", pytest.param("triton", marks=pytest.mark.skipif(not triton_attention.available(),
+                                                                          reason="triton is not installed"))]
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("window", [1, 5, 17])
+def test_parity_with_a_sliding_attention_window(window, backend, device):
+    """A windowed model's cached K/V stay exact: any split of a history into visits, under offload,
+    eviction and reload, on both attention backends."""
+    cfg = tiny_config(attention_window=window)
+    model = sensitive_model(cfg, window).to(device)
+    model.attention_backend = backend
+    rng = np.random.default_rng(window)
+    histories = random_histories(rng, 5, (10, 60), cfg)
+    cache = make_cache(cfg, num_pages=(2 * 64 + 24) // cfg.page_size + 8, device=device)
+    replay_and_compare(model, cache, histories, rng, max_chunk=20, between_rounds=shuffle_tiers)
+    assert cache.stats().tokens_reused > 0
+
+
+def test_a_window_as_long_as_the_history_changes_nothing_and_a_shorter_one_does(device):
+    cfg = tiny_config()
+    rng = np.random.default_rng(3)
+    histories = random_histories(rng, 4, (30, 50), cfg)
+    visits = [Visit(u, len(h.video_ids), random_candidates(rng, 4)) for u, h in histories.items()]
+
+    def scores(window):
+        model = sensitive_model(cfg.replace(attention_window=window), 3).to(device)
+        return serve(model, None, histories, visits)
+
+    whole = scores(0)
+    assert_logits_close(scores(50), whole)
+    assert not torch.allclose(scores(8), whole, atol=1e-3)
+
+
 def test_bf16_within_documented_tolerance_of_fp32():
     cfg = tiny_config()
     model = sensitive_model(cfg, 3)

@@ -17,7 +17,15 @@ from helpers import (
     serve,
     tiny_config,
 )
-from model.attention import AttentionBatch, BatchAttention, BiasInputs, TritonAttention, attend, host_inputs
+from model.attention import (
+    AttentionBatch,
+    BatchAttention,
+    BiasInputs,
+    KeyWindow,
+    TritonAttention,
+    attend,
+    host_inputs,
+)
 from model.attention.relative_bias import NO_TIME
 from model.batch_shape import BatchShape
 
@@ -34,7 +42,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU: Triton's inte
 def _run(case, candidates_only, shape=None, splits=1, max_seq_len=None, with_bias=True):
     """The kernel on `case`; with `shape`, bucketed (page table sized for windows up to `max_seq_len`)."""
     backend = TritonAttention(case.q.shape[1], max_seq_len or 4096, splits=splits)
-    batch = AttentionBatch.of(case.new, case.cands, case.cached, case.addressing, shape, bucketed=shape is not None)
+    batch = AttentionBatch.of(case.new, case.cands, case.cached, case.addressing, shape, bucketed=shape is not None,
+                              key_window=case.key_window)
     plan = backend.plan(batch)
     arrays = {name: torch.from_numpy(a).to(DEVICE) for name, a in host_inputs(plan).items()}
     attention = BatchAttention.from_device(plan, arrays)
@@ -87,6 +96,20 @@ def test_split_key_ranges_add_up(splits):
     case = paged_attention_case(np.random.default_rng(9), [150, 40], new=[3, 70], cands=[5, 1], page_size=16,
                                 heads=H, head_dim=D, dtype=torch.float32)
     _check(case, _run(case, False, splits=splits), False)
+
+
+@pytest.mark.parametrize("key_window", [KeyWindow(1), KeyWindow(10), KeyWindow(70, sink=3), KeyWindow(40, sink=65),
+                                        KeyWindow(500, sink=2)])
+@pytest.mark.parametrize("page_size, splits", [(0, 1), (16, 1), (16, 3)])
+def test_a_key_window_sees_its_last_keys_and_the_sink(key_window, page_size, splits):
+    """Sliding-window attention: tiles start at their first row's window (skipping whole key blocks of a
+    long window), visit the sink's blocks, and split what is left; every row against the reference."""
+    cached = [0, 0] if page_size == 0 else [150, 40]
+    case = paged_attention_case(np.random.default_rng(len(cached) + key_window.size), cached, new=[3, 140],
+                                cands=[5, 2], page_size=page_size, heads=H, head_dim=D, dtype=torch.float32)
+    case.key_window = key_window
+    for candidates_only in (False, True):
+        _check(case, _run(case, candidates_only, splits=splits), candidates_only)
 
 
 def test_bucketed_shape_with_padding_users_and_tiles():
