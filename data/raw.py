@@ -162,6 +162,7 @@ def _refuse_repeated(path: Path, table: pa.Table, column: str) -> None:
     if len(repeated):
         raise RawDataError(path, f"duplicate {column}", column=column, line=int(repeated.min()) + 2)
 
+
 def _check_range(path: Path, name: str, column: pa.ChunkedArray, allowed: ValueRange) -> None:
     """One min/max pass; the first offending row is located only when there is one."""
     if len(column) == 0:

@@ -346,6 +346,13 @@ def trained_attention_window(params: TrainParams) -> int:
     return params.max_history_events or 0
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = the whole window), got {value}")
+    return value
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The options that shape a fresh model (TrainParams.position_table_size, .video_hash_size,
     .user_hash_size, .video_tags, .attention_window), for every script that trains."""
@@ -354,7 +361,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--video_hash_size", type=int, default=None, help="video id rows of a fresh model (default: the preset's)")
     p.add_argument("--user_hash_size", type=int, default=None,
                    help="user id rows of the user-taste term of a fresh model (default: the preset's; 0 = no term)")
-    p.add_argument("--attention_window", type=int, default=None,
+    p.add_argument("--attention_window", type=_non_negative_int, default=None,
                    help="each query attends to its last N events and the prefix (default: the training crop, "
                         "--max_history_events; 0 = the whole window)")
     p.add_argument("--video_tags", action="store_true",
@@ -386,15 +393,11 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
 
 
-_RECIPE_FIELDS = ("epochs", "patience", "warmup_steps", "max_history_events", "history_targets", "dropout",
-                  "learning_rate", "embedding_learning_rate", "video_bias_learning_rate", "taste_learning_rate",
-                  "taste_l2", "counter_learning_rate", "select_on", "video_l2", "max_train_seconds",
-                  "position_table_size", "video_hash_size", "user_hash_size", "attention_window", "video_tags")
-
-
 def recipe_params(args: argparse.Namespace, **fields) -> TrainParams:
     """TrainParams from the options of `add_recipe_arguments`, with `fields` (preset, seed, ...) beside them."""
-    return TrainParams(**{name: getattr(args, name) for name in _RECIPE_FIELDS}, **fields)
+    recipe = argparse.ArgumentParser(add_help=False)
+    add_recipe_arguments(recipe)
+    return TrainParams(**{name: getattr(args, name) for name in vars(recipe.parse_args([]))}, **fields)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -421,10 +424,10 @@ def main(argv: list[str] | None = None) -> int:
                            max_train_requests=args.max_train_requests, seed=args.seed, device=args.device)
     try:
         dataset = InferenceDataset(args.data_dir)
+        model, report = train(dataset, params)  # a model the options cannot build is refused before training
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    model, report = train(dataset, params)
     metadata = {"train": asdict(report), "params": asdict(params), "dataset": json.loads(dataset.manifest.to_json())}
     path = save_checkpoint(model, args.checkpoint, metadata=metadata)
     print(json.dumps({"checkpoint": str(path), **asdict(report)}, indent=2))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model.attention.base import KeyWindow
 from model.attention.relative_bias import BiasInputs, RelativeAttentionBias
 
 MAX_SCORE_ELEMENTS = 1 << 22  # per chunk: the [pairs, H, QB, KB] scores stay near the cache (16 MiB in fp32)
@@ -35,14 +36,14 @@ def blocked_hstu_attention(
     bias: RelativeAttentionBias | None = None,
     bias_inputs: BiasInputs | None = None,
     schedule_name: str = "",
-    key_window_sink: int | None = None,
+    key_window: KeyWindow | None = None,
 ) -> Tensor:
     """-> [T, H, D]: rows the schedule covers hold their attention output (others are 0).
 
     Pairs are gathered and multiplied in chunks; each pair's output is added into its query
     block (a few large slices), and every row then gathers its output from its block.
     `schedule_name` names the schedule in `bias_inputs`' per-forward cache of bucket indices.
-    `key_window_sink`: with a key window, the keys every query sees (block_key_start bounds the rest).
+    With `key_window` a row also skips the keys before its block_key_start, but the window's sink.
     """
     _, H, D = q.shape
     acc_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
@@ -73,9 +74,9 @@ def blocked_hstu_attention(
         key_end = schedule["block_key_end"].index_select(0, blocks)  # [p, QB]
         key_positions = schedule["key_positions"][chunk][:, None, :]  # [p, 1, KB]
         hidden = key_positions >= key_end[:, :, None]  # [p, QB, KB]
-        if key_window_sink is not None:  # sliding window: also the keys before each row's window start
+        if key_window is not None:  # sliding window: also the keys before each row's window start
             key_start = schedule["block_key_start"].index_select(0, blocks)[:, :, None]
-            hidden = hidden | ((key_positions < key_start) & (key_positions >= key_window_sink))
+            hidden = hidden | ((key_positions < key_start) & (key_positions >= key_window.sink))
         hidden = hidden[:, None]  # [p, 1, QB, KB]
         scores = scores.masked_fill(hidden, 0.0) if grad else scores.masked_fill_(hidden, 0.0)
         pair_out = torch.matmul(scores, v_pairs).to(acc_dtype)  # [p, H, QB, D]

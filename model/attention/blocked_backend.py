@@ -74,5 +74,5 @@ class BlockedAttention(AttentionBackend):
         return blocked_hstu_attention(
             q, k, v, keys, values, schedule_arrays, schedule.num_blocks, schedule.num_pairs, plan.num_history_rows,
             alpha, normalizer, bias=bias, bias_inputs=bias_inputs, schedule_name=which,
-            key_window_sink=schedule.sink if plan.batch.key_window else None,
+            key_window=plan.batch.key_window,
         )

@@ -34,8 +34,7 @@ class BlockSchedule:
     block_first_row: np.ndarray  # [Q] its first row in the user's query sequence [history | candidates]
     block_rows: np.ndarray  # [Q, query_block] row of q, or T (a padding row) past the block's end
     block_key_end: np.ndarray  # [Q, query_block] keys j < key_end are seen (0 for padding)
-    block_key_start: np.ndarray  # [Q, query_block] ... and j >= key_start, or j < sink (all 0 without a window)
-    sink: int  # keys every query sees, whatever its key start (the window's contextual prefix)
+    block_key_start: np.ndarray  # [Q, query_block] ... and j >= key_start, or j < the window's sink (0 without one)
     block_query_positions: np.ndarray  # [Q, query_block] window position of the query (relative bias; 0 for padding)
     pair_blocks: np.ndarray  # [P] the query block of each pair (pairs of a block are consecutive)
     key_rows: np.ndarray  # [P, key_block] row of the key/value tensor (the user's key 0 for padding)
@@ -143,7 +142,6 @@ class BlockScheduler:
             block_rows=q_rows,
             block_key_end=key_end,
             block_key_start=np.where(valid_row, key_start, 0),
-            sink=sink,
             block_query_positions=np.where(valid_row, self.query_position(block_user[:, None], row), 0),
             pair_blocks=pair_block,
             key_rows=k_rows,

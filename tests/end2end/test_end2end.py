@@ -32,6 +32,14 @@ def pipeline(tmp_path_factory):
     return root
 
 
+def test_the_trainer_refuses_a_model_its_options_cannot_build(pipeline, tmp_path, capsys):
+    checkpoint = tmp_path / "ckpt"
+    assert train_main(["--data_dir", str(pipeline / "processed"), "--checkpoint", str(checkpoint),
+                       "--preset", "tiny", "--video_hash_size", "0"]) == 2
+    assert "video_hash_size must be >= 1" in capsys.readouterr().err
+    assert not checkpoint.exists()
+
+
 def run_example(args: list[str]) -> int:
     return load_example().main(args + ["--quiet"])
 

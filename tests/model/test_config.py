@@ -38,3 +38,26 @@ def test_a_fresh_model_is_served_the_window_it_was_trained_on(crop, asked, serve
     from model.train import TrainParams, trained_attention_window
 
     assert trained_attention_window(TrainParams(max_history_events=crop, attention_window=asked)) == served
+
+
+def test_the_trainer_refuses_a_negative_attention_window_before_reading_anything(tmp_path, capsys):
+    from model.train import main
+
+    checkpoint = tmp_path / "ckpt"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data_dir", str(tmp_path / "absent"), "--checkpoint", str(checkpoint), "--attention_window", "-3"])
+    assert exit_info.value.code == 2
+    assert "--attention_window: must be >= 0 (0 = the whole window), got -3" in capsys.readouterr().err
+    assert not checkpoint.exists()
+
+
+def test_recipe_options_reach_the_train_params():
+    import argparse
+
+    from model.train import add_recipe_arguments, recipe_params
+
+    p = argparse.ArgumentParser()
+    add_recipe_arguments(p)
+    params = recipe_params(p.parse_args(["--attention_window", "64", "--learning_rate", "3e-4", "--video_tags"]),
+                           seed=5)
+    assert (params.attention_window, params.learning_rate, params.video_tags, params.seed) == (64, 3e-4, True, 5)
