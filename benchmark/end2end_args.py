@@ -141,6 +141,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="model.train output directory (omit for a random-init model)")
     p.add_argument("--preset", choices=PRESET_NAMES, default=None,
                    help=f"model preset, only without --checkpoint (default {DEFAULT_PRESET})")
+    p.add_argument("--attention_window", type=int_at_least(0), default=None,
+                   help="serve the model through this sliding attention window, 0 = the whole window "
+                        "(default: the checkpoint's own)")
     p.add_argument("--from_date", type=yyyymmdd, default=DEFAULT_SPLIT_DATE,
                    help="YYYYMMDD: replay visits from this day (default %(default)s)")
     p.add_argument("--batch_size", type=int_at_least(1), default=8, help="visits per batch, >= 1 (default %(default)s)")

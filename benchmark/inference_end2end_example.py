@@ -45,9 +45,12 @@ def load_model(args: argparse.Namespace, dataset: InferenceDataset) -> HSTURecom
         log.warning("WARNING: no --checkpoint given: serving a RANDOMLY INITIALISED model "
                     "(parity and speed are meaningful, AUCs are not)")
         torch.manual_seed(args.seed)
-        model = HSTURecommender(config_for_dataset(args.preset, dataset), device=args.device)
+        config = config_for_dataset(args.preset, dataset)
+        if args.attention_window is not None:
+            config = config.replace(attention_window=args.attention_window)
+        model = HSTURecommender(config, device=args.device)
     else:
-        model = load_checkpoint(args.checkpoint, device=args.device).model
+        model = load_checkpoint(args.checkpoint, device=args.device, attention_window=args.attention_window).model
         if model.config.use_contextual_prefix and model.config.user_feature_cardinalities != expected_features:
             raise CheckpointError(
                 f"Checkpoint {args.checkpoint} was trained for user-feature vocabularies "

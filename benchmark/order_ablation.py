@@ -31,10 +31,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max_requests", type=int, default=None, help="score only the first N visits")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="of the shuffles")
+    p.add_argument("--attention_window", type=int, default=None,
+                   help="serve the checkpoint through this sliding attention window, 0 = the whole window "
+                        "(default: its own)")
     p.add_argument("--output", type=Path, help="JSON results")
     args = p.parse_args(argv)
     if any(k < 0 for k in args.last_k):
         p.error(f"--last_k must be >= 0, got {args.last_k}")
+    if args.attention_window is not None and args.attention_window < 0:
+        p.error(f"--attention_window must be >= 0 (0 = the whole window), got {args.attention_window}")
     return args
 
 
@@ -42,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     try:
         dataset = InferenceDataset(args.data_dir, video_counters_until_ms=date_to_ms(args.split_date))
-        model = load_checkpoint(args.checkpoint).model.eval()
+        model = load_checkpoint(args.checkpoint, attention_window=args.attention_window).model.eval()
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -121,7 +121,7 @@ def run_seed(args: argparse.Namespace, dataset: InferenceDataset, split: Quality
         checkpoint = str(Path(checkpoint) / f"seed_{seed}")
     training = None
     if checkpoint is not None and (Path(checkpoint) / "model.pt").is_file() and not args.retrain:
-        model = load_checkpoint(checkpoint).model.eval()
+        model = load_checkpoint(checkpoint, attention_window=args.attention_window).model.eval()
     else:
         params = recipe_params(args, preset=args.preset, split_date=args.split_date, seed=seed)
         model, training = train(dataset, params)

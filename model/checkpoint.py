@@ -61,7 +61,12 @@ def load_checkpoint(
     directory: str | Path,
     device: torch.device | str = "cpu",
     expected_config: HSTUConfig | None = None,
+    attention_window: int | None = None,
 ) -> Checkpoint:
+    """The model saved in `directory`, checked against its config (and `expected_config`).
+
+    `attention_window` serves the weights through another sliding attention window than the saved one
+    (an ablation: the weights do not depend on it, the model's fingerprint does)."""
     path = Path(directory) / CHECKPOINT_FILE
     if not path.is_file():
         raise CheckpointError(f"No checkpoint at {path} (train one with `python -m model.train`)")
@@ -74,6 +79,8 @@ def load_checkpoint(
         raise CheckpointError(f"Checkpoint {path} has format version {version}, this code reads {FORMAT_VERSION}")
     try:
         config = HSTUConfig.from_dict(payload["config"])
+        if attention_window is not None:
+            config = config.replace(attention_window=attention_window)
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"Checkpoint {path} has an invalid config: {err}") from err
     if expected_config is not None and config != expected_config:

@@ -363,7 +363,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="user id rows of the user-taste term of a fresh model (default: the preset's; 0 = no term)")
     p.add_argument("--attention_window", type=_non_negative_int, default=None,
                    help="each query attends to its last N events and the prefix (default: the training crop, "
-                        "--max_history_events; 0 = the whole window)")
+                        "--max_history_events; 0 = the whole window); a checkpoint loaded without training "
+                        "is served through it instead of its own")
     p.add_argument("--video_tags", action="store_true",
                    help="embed each token's video tag (the dataset's video_tags.parquet)")
 

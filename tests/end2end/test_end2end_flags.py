@@ -64,6 +64,7 @@ PARSE_REFUSALS = {
     "host_capacity 0": (["--host_capacity", "0"], ["argument --host_capacity", "must be >= 1, got 0"]),
     "page_size 0": (["--page_size", "0"], ["argument --page_size", "must be >= 1, got 0"]),
     "batch_size 0": (["--batch_size", "0"], ["argument --batch_size", "must be >= 1, got 0"]),
+    "attention_window negative": (["--attention_window", "-1"], ["argument --attention_window", "must be >= 0, got -1"]),
     "max_requests 0": (["--max_requests", "0"], ["argument --max_requests", "must be >= 1, got 0"]),
     "max_requests negative": (["--max_requests", "-2"], ["argument --max_requests", "must be >= 1, got -2"]),
     "tier_capacity 0": (["--kv_tier", "disk", "--kv_dir", "{tmp}/kv", "--tier_capacity", "0"],

@@ -163,6 +163,20 @@ def test_checkpoint_with_other_config_is_refused(setup, tmp_path):
         load_checkpoint(tmp_path, expected_config=cfg.replace(num_layers=3))
 
 
+def test_a_checkpoint_served_through_another_attention_window(setup, tmp_path):
+    """Same weights, another window: other logits on long histories, another fingerprint (so no K/V of
+    one is read by the other), and a window no config accepts refused naming the checkpoint."""
+    cfg, model, rng, histories = setup
+    visits = [Visit(u, 30, random_candidates(rng, 4)) for u in histories]
+    save_checkpoint(model, tmp_path)
+    windowed = load_checkpoint(tmp_path, attention_window=4).model
+    assert windowed.config == cfg.replace(attention_window=4)
+    assert model_fingerprint(windowed) != model_fingerprint(model)
+    assert not torch.allclose(serve(windowed, None, histories, visits), serve(model, None, histories, visits))
+    with pytest.raises(CheckpointError, match=r"invalid config: .*attention_window must be >= 0"):
+        load_checkpoint(tmp_path, attention_window=-1)
+
+
 def test_missing_or_corrupt_checkpoint_is_refused(setup, tmp_path):
     with pytest.raises(CheckpointError, match="No checkpoint"):
         load_checkpoint(tmp_path / "nowhere")
