@@ -111,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="an .npz keeping the full-recompute pass: replayed once, then reused by later runs")
     p.add_argument("--output", default="kv_codecs.json")
     args = p.parse_args(argv)
-    # the fields cache_config reads, as inference_end2end_example.py defaults them
+    # the fields load_model and cache_config read, as inference_end2end_example.py defaults them
     args.kv_pages, args.host_capacity, args.async_offload, args.kv_tier = None, None, False, "memory"
     args.kv_codec = "raw"  # replaced per pass
-    args.device, args.dtype, args.seed = "cpu", "float32", 0
+    args.device, args.dtype, args.seed, args.attention_window = "cpu", "float32", 0, None
     dataset = InferenceDataset(args.data_dir)
     model = load_model(args, dataset)
     from_ms = date_to_ms(args.from_date)
