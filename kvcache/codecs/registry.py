@@ -9,11 +9,12 @@ Specs (`name` or `name:key=value,...`; `get_codec(s).spec` is the canonical form
 | `zstd:values=bf16` (or `fp16`) | the cast, then the same: exact on top of the cast | ~1.2 (trained) | no |
 | `bf16`, `fp16` | a down-cast (fp16 clamps at +-65504) | 2 | no |
 | `int8[:mode=sym]` | 8-bit codes, a float32 scale per page, layer, K/V and head; `mode=affine` adds a minimum | ~1 | no |
+| `int8:group=token` | 8-bit codes, a float32 scale and minimum per token, layer, K/V and head (fbgemm rowwise) | ~1.06 | no |
 | `mixed[:shallow=bf16,shallow_layers=1,deep=int8]` | layers `[0, shallow_layers)` as `shallow`, others `deep` | between | no |
 | `sparse[:keep=50,merge=1,recent=1,score=vnorm,values=raw]` | per page the `keep`% top-scoring tokens (see below) | ~keep% | no |
 
 `mixed`'s `shallow` and `deep`, and `sparse`'s `values`, are each `raw` (the layout's dtype), `bf16`,
-`fp16`, `int8` or `int8affine`. `sparse` stores the kept tokens' K/V as `values` and drops the others
+`fp16`, `int8`, `int8affine` or `int8token`. `sparse` stores the kept tokens' K/V as `values` and drops the others
 (decoded as zero K/V, a removed key for HSTU's attention); the last `recent` pages of each write are
 kept whole; `score` is `vnorm`, `knorm`, `kvnorm` or `stride`; `merge=g` folds the dropped tokens
 of a page into g stored tokens (`codecs/sparse.py`).
@@ -29,6 +30,7 @@ import torch
 from .base import CodecSpec, CodecSpecError, KVCodec
 from .fixed_width import FixedWidthCodec
 from .int8 import Int8Values
+from .int8_rows import Int8RowValues
 from .lossless import CASTS, ZstdCodec
 from .raw import RawCodec
 from .sparse import SCORES, SparseCodec, SparseParams
@@ -89,6 +91,7 @@ _VALUE_CODECS: dict[str, Callable[[], ValueCodec]] = {
     "fp16": lambda: CastValues("fp16", torch.float16),
     "int8": lambda: Int8Values(affine=False),
     "int8affine": lambda: Int8Values(affine=True),
+    "int8token": Int8RowValues,
 }
 
 
@@ -123,6 +126,10 @@ def _sparse(params: dict[str, str]) -> KVCodec:
 
 
 def _int8(params: dict[str, str]) -> KVCodec:
+    if _choice(params, "group", "page", ("page", "token")) == "token":
+        if "mode" in params:
+            raise CodecSpecError("Codec int8:group=token is affine (a scale and a minimum per row); it takes no mode.")
+        return FixedWidthCodec("int8:group=token", [(0, Int8RowValues())])
     mode = _choice(params, "mode", "sym", ("sym", "affine"))
     return FixedWidthCodec(f"int8:mode={mode}", [(0, Int8Values(affine=mode == "affine"))])
 
@@ -137,6 +144,6 @@ register_codec("raw", lambda params: RawCodec())
 register_codec("zstd", _zstd, frozenset({"level", "shuffle", "values"}))
 register_codec("bf16", lambda params: FixedWidthCodec("bf16", [(0, _VALUE_CODECS["bf16"]())]))
 register_codec("fp16", lambda params: FixedWidthCodec("fp16", [(0, _VALUE_CODECS["fp16"]())]))
-register_codec("int8", _int8, frozenset({"mode"}))
+register_codec("int8", _int8, frozenset({"group", "mode"}))
 register_codec("mixed", _mixed, frozenset({"deep", "shallow", "shallow_layers"}))
 register_codec("sparse", _sparse, frozenset({"keep", "merge", "recent", "score", "values"}))

@@ -22,7 +22,7 @@ def _encoded(codec: str, n: int, seed: int):
     return tier_codec.deferred(LAYOUT, [encoded.page_range(0, n // 2), encoded.page_range(n // 2, n)])
 
 
-@pytest.mark.parametrize("codec", ["bf16", "int8", "mixed", "zstd"])
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int8:group=token", "mixed", "zstd"])
 @pytest.mark.parametrize("page_ids", [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [7, 2, 3, 9, 10, 0]],
                          ids=["run", "descending", "scattered"])
 def test_copy_in_decodes_into_any_pages(codec, page_ids):
@@ -54,7 +54,7 @@ def array_of(ids):
     return array("q", ids)
 
 
-@pytest.mark.parametrize("codec", ["bf16", "int8", "mixed", "zstd"])
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int8:group=token", "mixed", "zstd"])
 def test_decode_on_a_device_equals_the_host_decode(codec):
     src = _encoded(codec, 6, seed=3)
     on = src.decode_on(torch.device("cpu"))
@@ -63,7 +63,7 @@ def test_decode_on_a_device_equals_the_host_decode(codec):
     assert torch.equal(src.page_range(1, 5).decode_on(torch.device("cpu")).kv, want.kv[1:5])
 
 
-@pytest.mark.parametrize("codec", ["bf16", "int8", "mixed"])
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int8:group=token", "mixed"])
 def test_fixed_width_codecs_decode_where_their_bytes_are(codec):
     """On the meta device every op runs without data: the decode of these codecs is tensor ops only
     (nothing that needs the bytes on the host), so on CUDA it runs on the device, after the encoded bytes

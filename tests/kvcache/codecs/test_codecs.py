@@ -10,7 +10,8 @@ from kvcache.page_data import PageData, empty_pages
 
 LAYOUT = PageLayout(num_layers=3, num_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
 LOSSLESS = ["raw", "zstd", "zstd:shuffle=0", "zstd:level=1"]
-LOSSY = ["bf16", "fp16", "int8", "int8:mode=affine", "mixed", "mixed:shallow=raw,shallow_layers=2,deep=int8affine",
+LOSSY = ["bf16", "fp16", "int8", "int8:mode=affine", "int8:group=token", "mixed", "mixed:deep=int8token",
+         "mixed:shallow=raw,shallow_layers=2,deep=int8affine",
          "sparse:keep=50,values=int8", "zstd:values=bf16", "zstd:values=fp16,shuffle=0"]
 
 
@@ -28,6 +29,8 @@ def test_names_and_canonical_specs():
     assert get_codec("zstd:values=raw").spec == "zstd:level=3,shuffle=1"
     assert get_codec("zstd:values=bf16").spec == "zstd:level=3,shuffle=1,values=bf16"
     assert get_codec("int8").spec == "int8:mode=sym"
+    assert get_codec("int8:group=page,mode=affine").spec == "int8:mode=affine"  # what tiers stored before `group`
+    assert get_codec("int8:group=token").spec == "int8:group=token"
     assert get_codec("mixed:deep=int8,shallow_layers=2").spec == "mixed:deep=int8,shallow=bf16,shallow_layers=2"
     for name in codec_names():  # a canonical spec names the same codec again
         spec = get_codec(name).spec
@@ -38,6 +41,7 @@ def test_names_and_canonical_specs():
     ("lz9", "Unknown KV codec 'lz9'"), ("", "non-empty"), ("int8:mode", "not key=value"),
     ("int8:mode=cubic", "mode must be one of"), ("zstd:level=99", "level must be in [1, 19]"),
     ("bf16:level=3", "takes parameters none"), ("int8:mode=sym,mode=affine", "given twice"),
+    ("int8:group=token,mode=sym", "int8:group=token is affine"), ("int8:group=head", "group must be one of"),
     ("mixed:deep=int4", "deep must be one of"), ("zstd:values=int8", "values must be one of"),
 ])
 def test_bad_specs_are_refused_by_name(spec, problem):
@@ -85,17 +89,19 @@ def test_sizes_of_fp32_pages():
     layout = PageLayout(3, 4, 128, 32, torch.float32)  # the kuairand-1k preset geometry
     pages = _normal_pages(2, 0, layout=layout)
     raw = layout.page_nbytes
-    ratio = {s: raw / get_codec(s).encode(layout, pages).sizes()[0] for s in ["bf16", "int8", "mixed"]}
+    ratio = {s: raw / get_codec(s).encode(layout, pages).sizes()[0] for s in ["bf16", "int8", "int8:group=token", "mixed"]}
     assert 1.99 < ratio["bf16"] <= 2.0
     assert 3.9 < ratio["int8"] < 4.0
+    assert 3.7 < ratio["int8:group=token"] < 3.8  # 8 bytes of scale and minimum per 128 codes
     assert ratio["bf16"] < ratio["mixed"] < ratio["int8"]
 
 
-def test_int8_refuses_non_finite_pages_by_name():
+@pytest.mark.parametrize("spec", ["int8", "int8:group=token"])
+def test_int8_refuses_non_finite_pages_by_name(spec):
     pages = _normal_pages(2, 0)
     pages.kv[1, 2, 1, 0, 0, 0] = float("inf")
     with pytest.raises(ValueError, match="non-finite K/V"):
-        get_codec("int8").encode(LAYOUT, pages)
+        get_codec(spec).encode(LAYOUT, pages)
 
 
 def test_decode_refuses_another_codecs_pages():
@@ -124,11 +130,12 @@ def test_decode_into_strided_output_equals_decode(dtype):
     """Fixed-width codecs decode each run of layers straight into the output pages (one pass, no
     temporary): bit-identical to the value codec's own decode."""
     from kvcache.codecs.int8 import Int8Values
+    from kvcache.codecs.int8_rows import Int8RowValues
     from kvcache.codecs.values import CastValues
 
     layout = PageLayout(3, 2, 8, 4, dtype)
     kv = _normal_pages(3, 7, layout=layout).kv
-    for values in [Int8Values(affine=False), Int8Values(affine=True), CastValues("bf16", torch.bfloat16)]:
+    for values in [Int8Values(affine=False), Int8Values(affine=True), Int8RowValues(), CastValues("bf16", torch.bfloat16)]:
         rows = torch.empty((3, values.width(layout, 2)), dtype=torch.uint8)
         values.encode_into(layout, kv[:, 1:], rows)
         out = torch.full_like(kv, 7.0)
