@@ -54,16 +54,18 @@ class _Buffers(threading.local):
 
 
 _BUFFERS = _Buffers()
-_WORKERS: ThreadPoolExecutor | None = None
+_WORKERS: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the executor)
 _WORKERS_LOCK = threading.Lock()
 
 
 def _workers() -> ThreadPoolExecutor:
+    """The decode threads of this process (a forked child, whose copy of the parent's executor has no
+    threads behind it, gets its own)."""
     global _WORKERS
     with _WORKERS_LOCK:
-        if _WORKERS is None:
-            _WORKERS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="kv-int8-decode")
-        return _WORKERS
+        if _WORKERS is None or _WORKERS[0] != os.getpid():
+            _WORKERS = (os.getpid(), ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="kv-int8-decode"))
+        return _WORKERS[1]
 
 
 def _decode_blocks(blocks: list[tuple[Tensor, Tensor]]) -> None:

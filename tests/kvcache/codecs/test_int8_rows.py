@@ -77,3 +77,23 @@ def test_a_run_of_layers_decodes_into_its_layers_only():
     dst = pool.permute(2, 0, 1, 3, 4, 5)
     values.decode_into(LAYOUT, rows, dst[:, 1:])
     assert torch.equal(dst[:, 1:], values.decode(LAYOUT, rows, 2)) and bool((pool[0] == 7.0).all())
+
+
+def test_a_forked_child_decodes_with_its_own_threads():
+    """A child forked after the parent decoded inherits an executor with no threads behind it."""
+    import multiprocessing
+
+    values, rows, _ = _encoded(3, 2)
+    pool = torch.zeros(3, 2, 3, *LAYOUT.page_shape[2:])
+    values.decode_into(LAYOUT, rows, pool.permute(2, 0, 1, 3, 4, 5))  # the parent's threads exist now
+    context = multiprocessing.get_context("fork")
+    with context.Pool(1) as children:
+        decoded = children.apply_async(_decode_in_child, (values, rows)).get(timeout=60)
+    assert torch.equal(decoded, pool.permute(2, 0, 1, 3, 4, 5))
+
+
+def _decode_in_child(values, rows):
+    torch.set_num_threads(2)
+    pool = torch.zeros(3, 2, 3, *LAYOUT.page_shape[2:])
+    values.decode_into(LAYOUT, rows, pool.permute(2, 0, 1, 3, 4, 5))
+    return pool.permute(2, 0, 1, 3, 4, 5).clone()
