@@ -40,7 +40,10 @@ def _rows_shape(layout: PageLayout, k: int, num_layers: int) -> tuple[int, ...]:
 
 
 class _Buffers(threading.local):
-    """Growing buffers per thread and dtype, reused across decodes (no allocation, no first touch)."""
+    """Growing buffers per thread and dtype, reused across decodes (no allocation, no first touch), kept
+    up to `KEEP_NBYTES` each: a longer user's decode gets a buffer of its own, freed after it."""
+
+    KEEP_NBYTES = 64 << 20
 
     def __init__(self) -> None:
         self.by_dtype: dict[torch.dtype, Tensor] = {}
@@ -49,7 +52,9 @@ class _Buffers(threading.local):
         buffer = self.by_dtype.get(dtype)
         if buffer is None or buffer.numel() < numel:
             with torch.inference_mode(False):
-                buffer = self.by_dtype[dtype] = torch.empty(numel, dtype=dtype)
+                buffer = torch.empty(numel, dtype=dtype)
+            if numel * dtype.itemsize <= self.KEEP_NBYTES:
+                self.by_dtype[dtype] = buffer
         return buffer[:numel]
 
 

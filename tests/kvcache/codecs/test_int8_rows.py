@@ -97,3 +97,14 @@ def _decode_in_child(values, rows):
     pool = torch.zeros(3, 2, 3, *LAYOUT.page_shape[2:])
     values.decode_into(LAYOUT, rows, pool.permute(2, 0, 1, 3, 4, 5))
     return pool.permute(2, 0, 1, 3, 4, 5).clone()
+
+
+def test_decode_buffers_are_reused_and_kept_only_up_to_their_cap(monkeypatch):
+    from kvcache.codecs.int8_rows import _Buffers
+
+    buffers = _Buffers()
+    monkeypatch.setattr(_Buffers, "KEEP_NBYTES", 1000)
+    small = buffers.take(100, torch.float32)
+    assert buffers.take(50, torch.float32).data_ptr() == small.data_ptr()  # reused
+    big = buffers.take(1000, torch.float32)  # 4000 bytes: past the cap
+    assert big.numel() == 1000 and buffers.by_dtype[torch.float32].data_ptr() == small.data_ptr()
