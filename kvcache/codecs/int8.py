@@ -43,16 +43,7 @@ class Int8Values(ValueCodec):
 
     def _scale_and_low(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """Per group [k, l, 2, H]: the step and (affine) the minimum."""
-        hi = x.amax(dim=_GROUP_DIMS)
-        if self.affine:
-            lo = x.amin(dim=_GROUP_DIMS)
-            span, levels = hi - lo, 255.0
-        else:
-            lo, span, levels = None, torch.maximum(hi, -x.amin(dim=_GROUP_DIMS)), 127.0
-        if not bool(torch.isfinite(span).all()):
-            raise ValueError(f"Codec {self.name}: the pages hold non-finite K/V (inf or NaN), which cannot be quantised.")
-        scale = span / levels
-        return torch.where(scale > 0, scale, torch.ones_like(scale)), lo  # a constant group: any scale is exact
+        return quantisation_step(x, _GROUP_DIMS, self.affine, self.name)
 
     def encode_into(self, layout: PageLayout, kv: Tensor, out: Tensor) -> None:
         x = kv.float()
@@ -86,7 +77,30 @@ class Int8Values(ValueCodec):
     def max_abs_error(self, layout: PageLayout, kv: Tensor) -> Tensor:
         x = kv.float()
         scale, lo = self._scale_and_low(x)
-        half_step = scale[:, :, :, None, :, None] / 2
-        # float32 rounding of the division, product and sum: a few ulps of the values involved
-        slack = (x.abs() + (0 if lo is None else lo.abs()[:, :, :, None, :, None])) * 2.0**-21
-        return half_step * (1 + 2.0**-20) + slack + cast_error(layout.dtype, x)
+        per_value = (slice(None),) * 3 + (None, slice(None), None)  # [k, l, 2, H] -> [k, l, 2, 1, H, 1]
+        return quantisation_error_bound(x, scale[per_value], None if lo is None else lo[per_value], layout.dtype)
+
+
+def quantisation_step(x: Tensor, dims: tuple[int, ...], affine: bool, codec: str,
+                      keepdim: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The 8-bit step of each group of `x` (its `dims` reduced) and, affine, the group's minimum:
+    symmetric `max|x| / 127`, affine `(max - min) / 255`; a constant group gets step 1 (exact).
+    Non-finite values are refused, naming the codec."""
+    hi = x.amax(dim=dims, keepdim=keepdim)
+    if affine:
+        lo = x.amin(dim=dims, keepdim=keepdim)
+        span, levels = hi - lo, 255.0
+    else:
+        lo, span, levels = None, torch.maximum(hi, -x.amin(dim=dims, keepdim=keepdim)), 127.0
+    if not bool(torch.isfinite(span).all()):
+        raise ValueError(f"Codec {codec}: the pages hold non-finite K/V (inf or NaN), which cannot be quantised.")
+    scale = span / levels
+    return torch.where(scale > 0, scale, torch.ones_like(scale)), lo
+
+
+def quantisation_error_bound(x: Tensor, step: Tensor, low: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """|decoded - x| bound for float32 `x` quantised with `step` and `low` (broadcast to x), decoded to `dtype`:
+    half a step, plus float32 rounding of the difference, division and decode (a few ulps of the values
+    involved), plus the cast to the layout's dtype."""
+    slack = (x.abs() + (0 if low is None else low.abs())) * 2.0**-21
+    return step / 2 * (1 + 2.0**-20) + slack + cast_error(dtype, x)

@@ -5,22 +5,25 @@ Each row is stored as fbgemm's fused 8-bit rowwise format, `[head_dim uint8 code
 per-page groups it spends 8 bytes more per row (3.76x fewer bytes than fp32 at head_dim 128,
 against 3.98x), and buys two things:
 
-* a smaller error: a row's range, not a page-head's, sets the step (|error| <= step / 2);
-* an onload that writes each decoded value once. fbgemm's CPU kernel reads the codes and writes
-  the float32 values in one vectorised pass, where the per-page groups need a cast then a scale
-  (two passes over the decoded bytes, which a memory-tier onload of a long history pays for).
+* a smaller error: a row's range, not a page-head's, sets the step (|error| <= step / 2), 3-10x
+  less logit error on trained K/V (docs/kvcache.md, "int8 with a scale per token");
+* a decode that writes each value once: fbgemm's CPU kernel reads the codes and writes the float32
+  values in one vectorised pass, where the per-page groups take a cast then a scale. (Onload from
+  the memory tier is still no faster than `int8`'s on CPU: the gather below costs what it saves.)
 
 The fast path decodes straight into the device pool's pages on the host: every (layer, K/V)
 block of a run of pool pages is contiguous there. The codes are first gathered block by block
 into a reused staging buffer, in one copy (a quarter of the decoded bytes: in the encoded rows a
 page's codes are not next to the next page's), then each block is decoded by the kernel, the
-blocks spread over torch's intra-op threads (the kernel is single-threaded and releases the GIL). Host pages of other
-strides (a tier's fresh page-major pages) are decoded block-major into a reused buffer, then copied.
+blocks spread over torch's intra-op threads (the kernel is single-threaded and releases the GIL).
+Host pages of other strides (a tier's fresh page-major pages) are decoded block-major into a
+reused buffer, then copied.
 Anywhere else (CUDA, another dtype) the decode is torch's `addcmul` in float32, which rounds
 `q * scale + minimum` once, like the kernel, and equals it (`tests/kvcache/codecs/test_int8_rows.py`).
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +33,8 @@ import torch
 from torch import Tensor
 
 from ..config import PageLayout
-from .values import ValueCodec, aligned, cast_error
+from .int8 import quantisation_error_bound, quantisation_step
+from .values import ValueCodec, aligned
 
 _SCALE_BIAS_NBYTES = 8  # float32 scale, float32 minimum, after each row's codes
 
@@ -93,23 +97,17 @@ class Int8RowValues(ValueCodec):
     def _fields(self, layout: PageLayout, rows: Tensor, num_layers: int) -> tuple[Tensor, Tensor, Tensor]:
         """Views of rows [k, width]: all [k, l, 2, S, H, D + 8]; codes [.., D] uint8, scale and minimum [.., 1] float32."""
         shape = _rows_shape(layout, rows.shape[0], num_layers)
-        fused = rows[:, : shape[1] * shape[2] * shape[3] * shape[4] * shape[5]].view(shape)
+        fused = rows[:, : math.prod(shape[1:])].view(shape)
         scale_min = fused[..., layout.head_dim :].view(torch.float32)
         return fused, scale_min[..., :1], scale_min[..., 1:]
 
-    @staticmethod
-    def _scale_and_low(x: Tensor, name: str) -> tuple[Tensor, Tensor]:
+    def _scale_and_low(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Per row [.., 1]: the step and the minimum."""
-        lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
-        span = hi - lo
-        if not bool(torch.isfinite(span).all()):
-            raise ValueError(f"Codec {name}: the pages hold non-finite K/V (inf or NaN), which cannot be quantised.")
-        scale = span / 255.0
-        return torch.where(scale > 0, scale, torch.ones_like(scale)), lo  # a constant row: any step is exact
+        return quantisation_step(x, (-1,), affine=True, codec=self.name, keepdim=True)  # type: ignore[return-value]
 
     def encode_into(self, layout: PageLayout, kv: Tensor, out: Tensor) -> None:
         x = kv.float()
-        scale, lo = self._scale_and_low(x, self.name)
+        scale, lo = self._scale_and_low(x)
         fused, scales, lows = self._fields(layout, out, kv.shape[1])
         scales.copy_(scale)
         lows.copy_(lo)
@@ -156,7 +154,4 @@ class Int8RowValues(ValueCodec):
 
     def max_abs_error(self, layout: PageLayout, kv: Tensor) -> Tensor:
         x = kv.float()
-        scale, lo = self._scale_and_low(x, self.name)
-        # float32 rounding of the difference, the division and the fused decode: a few ulps of the values
-        slack = (x.abs() + lo.abs()) * 2.0**-21
-        return scale / 2 * (1 + 2.0**-20) + slack + cast_error(layout.dtype, x)
+        return quantisation_error_bound(x, *self._scale_and_low(x), layout.dtype)
