@@ -95,8 +95,8 @@ def concat_pages(parts: list[PageData]) -> PageData:
 
 class EncodedPageData(ABC):
     """Pages a tier read that are still encoded: the device pool decodes them straight into its pages
-    (`decode_into`), so an onload from an encoded tier writes each value once, with no decoded copy
-    in fresh host memory in between; everything else asks for `decode()`."""
+    (`decode_into` on the host, `decode_to_pages` on a device), so an onload from an encoded tier writes
+    each value once, with no decoded copy in between; everything else asks for `decode()`."""
 
     @property
     @abstractmethod
@@ -114,11 +114,10 @@ class EncodedPageData(ABC):
     def page_range(self, start: int, stop: int) -> EncodedPageData:
         """Pages [start, stop), still encoded."""
 
-    def decode_on(self, device: torch.device) -> PageData:
-        """The pages decoded into fresh memory on `device`. This default decodes on the host and moves the
-        result; encodings whose decode runs anywhere move their bytes and decode there instead."""
-        pages = self.decode()
-        return PageData(pages.kv.to(device, non_blocking=True), pages.times.to(device, non_blocking=True))
+    @abstractmethod
+    def decode_to_pages(self, kv: Tensor, times: Tensor, page_ids: Tensor) -> None:
+        """Decode page i into a pool's kv[:, :, page_ids[i]] ([L, 2, P, S, H, D]) and times[page_ids[i]]
+        ([P, S]), on their device (page_ids [num_pages] int64 there): equal to `decode()` scattered."""
 
 
 HostPageData = PageData | EncodedPageData  # what a tier's read hands out

@@ -147,16 +147,17 @@ class DevicePagePool:
 
     def copy_in(self, moves: Sequence[tuple[Pages, HostPageData]]) -> None:
         """Write each `src` (len(pages) pages, any device and strides) into its `pages`. Encoded pages
-        (`EncodedPageData`) are decoded straight into the pool's pages on the CPU; on CUDA they are decoded
-        on the onload stream into device memory (`EncodedPageData.decode_on`: the encoded bytes cross the
-        bus where the codec decodes on the device, the decoded pages otherwise), then moved as any pages.
+        (`EncodedPageData`) are decoded straight into the pool's pages: on the CPU by their codec's host
+        decode, on CUDA by `decode_to_pages` (for int8 the encoded bytes cross the bus, about a quarter of
+        fp32's, and one Triton launch per run of layers writes every layer's values into the pages).
 
         On CUDA the copies run on the onload stream, after the work already queued on the current
-        stream (the pages may have been freed by a batch still computing there): first the times of
-        every move, then layer by layer: layer l of every move goes into a staging buffer (one
-        transfer per move: an asynchronous DMA from pinned host memory whose layers are contiguous,
-        as the in-memory tier's; other sources are copied whole first), is scattered into the pages,
-        and an event is recorded (layer 0's covers the times).
+        stream (the pages may have been freed by a batch still computing there): first the encoded
+        moves, whole, then the times of the other moves, then layer by layer: layer l of every other
+        move goes into a staging buffer (one transfer per move: an asynchronous DMA from pinned host
+        memory whose layers are contiguous, as the in-memory tier's; other sources are copied whole
+        first), is scattered into the pages, and an event is recorded (layer 0's covers the times and
+        the encoded moves).
         Returns at once. Compute waits for layer l on the device when it asks for layer l's pages
         (`wait_for_layer`); the host memory read must stay unchanged until `sync_onloads` (the
         manager calls it before any tier write).
@@ -174,27 +175,33 @@ class DevicePagePool:
         stream = self._onload_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         lay = self.layout
+        encoded = [(pages, src) for pages, src in moves if isinstance(src, EncodedPageData)]
+        plain = [(pages, src) for pages, src in moves if not isinstance(src, EncodedPageData)]
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            # Encoded pages cross the bus encoded where their codec decodes on the device (int8: a quarter
-            # of the bytes), into fresh device memory; the layer loop below then moves them as any pages.
-            moves = [(pages, src.decode_on(self.device) if isinstance(src, EncodedPageData) else src)
-                     for pages, src in moves]
-            idx = self._index(np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in moves]))
-            times = torch.cat([src.times.to(self.device, non_blocking=True) for _, src in moves])
-            self.times.index_copy_(0, idx, times)
-            sources = [src.kv if _layers_contiguous(src.kv) else src.kv.to(self.device, non_blocking=True)
-                       for _, src in moves]
-            # One layer of every move at a time, reused by every layer (stream order keeps it safe).
-            staging = torch.empty(
-                (idx.numel(), 2, lay.page_size, lay.num_heads, lay.head_dim), dtype=lay.dtype, device=self.device
-            )
+            if encoded:  # one staging of every encoded move's page ids, then each decodes into its pages
+                ids = self._index(np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in encoded]))
+                start = 0
+                for pages, src in encoded:
+                    src.decode_to_pages(self.kv, self.times, ids[start : start + len(pages)])
+                    start += len(pages)
+            if plain:
+                idx = self._index(np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in plain]))
+                times = torch.cat([src.times.to(self.device, non_blocking=True) for _, src in plain])
+                self.times.index_copy_(0, idx, times)
+                sources = [src.kv if _layers_contiguous(src.kv) else src.kv.to(self.device, non_blocking=True)
+                           for _, src in plain]
+                # One layer of every move at a time, reused by every layer (stream order keeps it safe).
+                staging = torch.empty(
+                    (idx.numel(), 2, lay.page_size, lay.num_heads, lay.head_dim), dtype=lay.dtype, device=self.device
+                )
             rows = self._layer_rows()
             for layer in range(lay.num_layers):
-                start = 0
-                for src in sources:
-                    staging[start : start + src.shape[0]].copy_(src[:, layer], non_blocking=True)
-                    start += src.shape[0]
-                rows[layer].index_copy_(1, idx, staging.flatten(2).transpose(0, 1))  # [2, k, S*H*D]
+                if plain:
+                    start = 0
+                    for src in sources:
+                        staging[start : start + src.shape[0]].copy_(src[:, layer], non_blocking=True)
+                        start += src.shape[0]
+                    rows[layer].index_copy_(1, idx, staging.flatten(2).transpose(0, 1))  # [2, k, S*H*D]
                 self._onload_events.record(layer, stream)
 
     def _decode_in(self, pages: Pages, src: EncodedPageData) -> None:

@@ -11,8 +11,10 @@ The attention kernel's variants are its constexprs (`triton_attention.KernelCons
 preset's head_dim and relative bias, fp32 and bf16, contiguous keys and the serving page size. Its
 split count, history row offset and key window are runtime arguments that Triton does not
 specialise on, so one binary serves every allowed split and window; the KV append kernel has one
-variant per dtype (row widths are runtime). Pointers and strides are compiled 16-divisible, as every launch of these shapes passes
-them, so the binary is the one Triton builds when serving.
+variant per dtype (row widths are runtime), and the int8 decode of the KV cache's onload one per
+pool dtype, code type (int8 without a low, uint8 with one) and preset head_dim. Pointers and strides
+are compiled 16-divisible where every launch of these shapes passes them so, so the binary is the one
+Triton builds when serving.
 
 Triton decides at import whether kernels compile or interpret: run this without TRITON_INTERPRET
 (the tests run it in a subprocess). It needs no CUDA driver, only the ptxas of the triton wheel.
@@ -38,7 +40,7 @@ _DIVISIBLE = [["tt.divisibility", 16]]
 
 @dataclass(frozen=True)
 class CompiledVariant:
-    kernel: str  # "hstu_attention" or "kv_append"
+    kernel: str  # "hstu_attention", "kv_append" or "int8_decode" (+ "_u8_low" for codes with a low)
     dtype: str
     head_dim: int  # 0 for kv_append (its row width is a runtime argument)
     page_size: int
@@ -152,6 +154,20 @@ def compile_kv_append(dtype: torch.dtype) -> CompiledVariant:
                     triton_append.NUM_WARPS, 1, dtype, 0, 0, ())
 
 
+def compile_int8_decode(dtype: torch.dtype, head_dim: int, has_low: bool) -> CompiledVariant:
+    from kvcache.codecs import triton_int8
+
+    kernel = triton_int8._decode_kernel
+    pointers = {"OUT": "*" + _TRITON_TYPES[dtype], "PAGE_IDS": "*i64", "CODES": "*u8" if has_low else "*i8",
+                "SCALE": "*fp32", "LOW": "*fp32"}
+    constexprs = {"HAS_LOW": has_low, "BLOCK_R": triton_int8.ROWS_PER_PROGRAM,
+                  "BLOCK_D": triton_int8.block_dims(head_dim)}
+    signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "i32") for p in kernel.params}
+    # Only the pool and the ids are surely 16-byte aligned: codes and scales sit at any 8-byte offset of a row.
+    return _compile("int8_decode" + ("_u8_low" if has_low else ""), kernel, signature, constexprs,
+                    {"OUT", "PAGE_IDS"}, triton_int8.NUM_WARPS, 1, dtype, head_dim, 0, ())
+
+
 def _compile(kernel, fn, signature, constexprs, divisible, num_warps, num_stages, dtype, head_dim, page_size, splits
              ) -> CompiledVariant:
     started = time.perf_counter()
@@ -171,6 +187,10 @@ def compile_all() -> Iterator[CompiledVariant]:
     """Every variant a deployment of the presets launches, compiled for SM90 (one at a time)."""
     for dtype in DTYPES.values():
         yield compile_kv_append(dtype)
+    for head_dim in sorted({head_dim for head_dim, _, _ in attention_variants()}):
+        for dtype in DTYPES.values():
+            for has_low in (False, True):
+                yield compile_int8_decode(dtype, head_dim, has_low)
     for head_dim, position_buckets, time_buckets in attention_variants():
         for dtype in DTYPES.values():
             for page_size in SERVING_PAGE_SIZES:

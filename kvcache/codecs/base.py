@@ -148,6 +148,16 @@ class KVCodec(ABC):
         write the values in place (no decoded copy in between) override it."""
         out.copy_(self.decode(layout, encoded))
 
+    def decode_to_pages(self, layout: PageLayout, encoded: EncodedPages, kv: Tensor, times: Tensor,
+                        page_ids: Tensor) -> None:
+        """`decode` scattered into a pool: page i into kv[:, :, page_ids[i]] ([L, 2, P, S, H, D]) and
+        times[page_ids[i]] ([P, S]), on their device. This default decodes on the host and moves the
+        pages; codecs whose decode runs anywhere (`decodes_on_device`) take `encoded` on the pool's
+        device and write its pages directly."""
+        pages = self.decode(layout, encoded)
+        times.index_copy_(0, page_ids, pages.times.to(times.device, non_blocking=True))
+        kv.index_copy_(2, page_ids, pages.kv.to(kv.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5))
+
     def max_abs_error(self, layout: PageLayout, pages: PageData) -> Tensor:
         """An upper bound of |decode(encode(pages)).kv - pages.kv| for each element, [k, *page_shape] float32.
 

@@ -73,6 +73,16 @@ class FixedWidthCodec(KVCodec):
         for first, stop, codec, offset, width in self._spans(layout):
             codec.decode_into(layout, rows[:, offset : offset + width], out.kv[:, first:stop])
 
+    def decode_to_pages(self, layout: PageLayout, encoded: EncodedPages, kv: torch.Tensor, times: torch.Tensor,
+                        page_ids: torch.Tensor) -> None:
+        """One scatter of the times and one decode per run of layers (on CUDA, int8's is one kernel launch),
+        wherever `encoded`'s bytes are."""
+        self.check_spec(encoded)
+        rows = encoded.fixed_rows(self.page_nbytes(layout))
+        times.index_copy_(0, page_ids, rows[:, : layout.page_size * TIME_NBYTES].view(torch.int64))
+        for first, stop, codec, offset, width in self._spans(layout):
+            codec.decode_to_pages(layout, rows[:, offset : offset + width], kv[first:stop], page_ids)
+
     def max_abs_error(self, layout: PageLayout, pages: PageData) -> torch.Tensor:
         return torch.cat([codec.max_abs_error(layout, pages.kv[:, first:stop])
                           for first, stop, codec, _, _ in self._spans(layout)], dim=1)

@@ -18,8 +18,10 @@ page's codes are not next to the next page's), then each block is decoded by the
 blocks spread over torch's intra-op threads (the kernel is single-threaded and releases the GIL).
 Host pages of other strides (a tier's fresh page-major pages) are decoded block-major into a
 reused buffer, then copied.
-Anywhere else (CUDA, another dtype) the decode is torch's `addcmul` in float32, which rounds
-`q * scale + minimum` once, like the kernel, and equals it (`tests/kvcache/codecs/test_int8_rows.py`).
+On CUDA the pool's onload decodes straight into its pages with the Triton kernel of
+`triton_int8.py`, which also rounds `q * scale + minimum` once. Anywhere else (another dtype, a
+decode into fresh memory) it is torch's `addcmul` in float32, which rounds once as well, and equals
+fbgemm's kernel (`tests/kvcache/codecs/test_int8_rows.py`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..config import PageLayout
+from . import triton_int8
 from .int8 import quantisation_error_bound, quantisation_step
 from .values import ValueCodec, aligned
 
@@ -135,6 +138,13 @@ class Int8RowValues(ValueCodec):
         _decode_blocks(shares[0])
         for future in futures:
             future.result()
+
+    def decode_to_pages(self, layout: PageLayout, rows: Tensor, pages: Tensor, page_ids: Tensor) -> None:
+        if not triton_int8.applies(rows):
+            super().decode_to_pages(layout, rows, pages, page_ids)
+            return
+        fused, scales, lows = self._fields(layout, rows, pages.shape[0])
+        triton_int8.decode_into_pages(pages, page_ids, fused[..., : layout.head_dim], scales[..., 0], lows[..., 0])
 
     @staticmethod
     def _kernel_can_write(rows: Tensor, out: Tensor) -> bool:

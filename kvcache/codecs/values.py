@@ -45,6 +45,15 @@ class ValueCodec(ABC):
         """`decode` written into out ([k, l, 2, S, H, D] in `layout.dtype`, any strides): equal to it."""
         out.copy_(self.decode(layout, rows, out.shape[1]))
 
+    def decode_to_pages(self, layout: PageLayout, rows: Tensor, pages: Tensor, page_ids: Tensor) -> None:
+        """`decode` scattered into a pool: pages[:, :, page_ids[i]] <- page i decoded, for every layer.
+
+        rows [k, width] uint8 and page_ids [k] int64 on the pool's device; pages [l, 2, P, S, H, D] in
+        `layout.dtype` (the pool's pages of these l layers). Codecs with a kernel that writes the pool
+        directly override it."""
+        decoded = self.decode(layout, rows, pages.shape[0])  # [k, l, 2, S, H, D]
+        pages.index_copy_(2, page_ids, decoded.permute(1, 2, 0, 3, 4, 5))
+
     @abstractmethod
     def max_abs_error(self, layout: PageLayout, kv: Tensor) -> Tensor:
         """The bound of |decode(encode(kv)) - kv|, elementwise, float32 like kv."""

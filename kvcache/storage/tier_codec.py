@@ -87,14 +87,9 @@ class _DeferredDecode(EncodedPageData):
         """Pages [start, stop), still encoded."""
         return _DeferredDecode(self._codec, self._layout, self._encoded.page_range(start, stop))
 
-    def decode_on(self, device: torch.device) -> PageData:
-        if not self._codec.decodes_on_device:
-            return super().decode_on(device)
-        layout, n = self._layout, self._encoded.num_pages
-        out = PageData(torch.empty((n, *layout.page_shape), dtype=layout.dtype, device=device),
-                       torch.empty((n, layout.page_size), dtype=torch.int64, device=device))
-        self._codec.decode_into(layout, self._encoded.to(device), out)
-        return out
+    def decode_to_pages(self, kv: torch.Tensor, times: torch.Tensor, page_ids: torch.Tensor) -> None:
+        encoded = self._encoded.to(kv.device) if self._codec.decodes_on_device else self._encoded
+        self._codec.decode_to_pages(self._layout, encoded, kv, times, page_ids)
 
 
 class _Concatenated(EncodedPageData):
@@ -111,8 +106,9 @@ class _Concatenated(EncodedPageData):
     def decode(self) -> PageData:
         return concat_pages([part.decode() for part in self._parts])
 
-    def decode_on(self, device: torch.device) -> PageData:
-        return concat_pages([part.decode_on(device) for part in self._parts])
+    def decode_to_pages(self, kv: torch.Tensor, times: torch.Tensor, page_ids: torch.Tensor) -> None:
+        for part, start in zip(self._parts, self._starts[:-1].tolist()):
+            part.decode_to_pages(kv, times, page_ids[start : start + part.num_pages])
 
     def decode_into(self, dst: PageData) -> None:
         for part, start in zip(self._parts, self._starts[:-1].tolist()):

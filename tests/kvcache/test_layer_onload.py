@@ -167,9 +167,11 @@ def test_cuda_offloads_of_a_batch_leave_in_one_staged_copy(monkeypatch):
 @cuda_only
 @pytest.mark.parametrize("codec", ["int8", "int8:group=token", "bf16", "zstd"])
 def test_cuda_onload_of_encoded_pages_equals_the_cpu_pools(codec):
-    """int8 and bf16 pages cross the bus encoded and are decoded on the onload stream; zstd's are decoded
-    on the host first. Either way the reloaded K/V equal the CPU pool's, which decodes into its pages
-    (int8:group=token: fbgemm's kernel on the CPU, `addcmul` on CUDA; both round q * scale + min once)."""
+    """int8 and bf16 pages cross the bus encoded and are decoded into the pool's pages on the onload
+    stream (int8: the Triton kernel); zstd's are decoded on the host first. Either way the reloaded K/V
+    equal the CPU pool's, which decodes into its pages (int8, symmetric: q * scale rounded once on
+    both; int8:group=token: fbgemm's kernel on the CPU and the Triton kernel's fused multiply-add on
+    CUDA both round q * scale + min once)."""
     reloaded = {}
     for device in ("cpu", "cuda"):
         with KVCacheManager(_config(device, kv_codec=codec)) as mgr:

@@ -55,20 +55,29 @@ def array_of(ids):
 
 
 @pytest.mark.parametrize("codec", ["bf16", "int8", "int8:group=token", "mixed", "zstd"])
-def test_decode_on_a_device_equals_the_host_decode(codec):
+def test_decode_to_pages_scatters_the_host_decode(codec):
+    """What the CUDA pool runs for encoded pages (here on CPU tensors, int8 through Triton's interpreter),
+    across the parts of a read and for a range of them: the decoded pages at their ids, nothing else."""
     src = _encoded(codec, 6, seed=3)
-    on = src.decode_on(torch.device("cpu"))
     want = decoded(src)
-    assert torch.equal(on.kv, want.kv) and torch.equal(on.times, want.times)
-    assert torch.equal(src.page_range(1, 5).decode_on(torch.device("cpu")).kv, want.kv[1:5])
+    for part, ids, first in ((src, [9, 0, 4, 5, 6, 2], 0), (src.page_range(1, 5), [3, 8, 1, 7], 1)):
+        kv = torch.zeros(LAYOUT.num_layers, 2, 10, *LAYOUT.page_shape[2:])
+        times = torch.zeros(10, LAYOUT.page_size, dtype=torch.int64)
+        part.decode_to_pages(kv, times, torch.tensor(ids))
+        idx = torch.tensor(ids)
+        torch.testing.assert_close(kv[:, :, idx].permute(2, 0, 1, 3, 4, 5), want.kv[first : first + len(ids)],
+                                   rtol=torch.finfo(torch.float32).eps, atol=1e-6)
+        assert torch.equal(times[idx], want.times[first : first + len(ids)])
+        untouched = torch.tensor(sorted(set(range(10)) - set(ids)))
+        assert not kv[:, :, untouched].any() and not times[untouched].any()
 
 
 @pytest.mark.parametrize("codec", ["bf16", "int8", "int8:group=token", "mixed"])
 def test_fixed_width_codecs_decode_where_their_bytes_are(codec):
-    """On the meta device every op runs without data: the decode of these codecs is tensor ops only
-    (nothing that needs the bytes on the host), so on CUDA it runs on the device, after the encoded bytes
-    (a quarter of the decoded ones for int8) have crossed the bus."""
+    """On the meta device every op runs without data: without a kernel for the device, the decode of these
+    codecs is tensor ops only (nothing that needs the bytes on the host), so it runs wherever the encoded
+    bytes (a quarter of the decoded ones for int8) have been moved."""
     src = _encoded(codec, 6, seed=4)
-    on = src.decode_on(torch.device("meta"))
-    assert on.kv.device.type == "meta" and on.kv.shape == decoded(src).kv.shape
-    assert on.times.shape == decoded(src).times.shape
+    kv = torch.empty(LAYOUT.num_layers, 2, 10, *LAYOUT.page_shape[2:], device="meta")
+    times = torch.empty(10, LAYOUT.page_size, dtype=torch.int64, device="meta")
+    src.decode_to_pages(kv, times, torch.arange(6, device="meta"))

@@ -50,6 +50,8 @@ def test_every_preset_variant_compiles_within_the_h100_shared_memory(compiled):
     # One binary per variant serves every split the planner may choose (the count is a runtime argument).
     assert all(tuple(v["splits"]) == allowed_splits() for v in attention.values())
     assert {v["dtype"] for v in compiled if v["kernel"] == "kv_append"} == {"fp32", "bf16"}
+    decodes = {(v["kernel"], v["dtype"], v["head_dim"]) for v in compiled if v["kernel"].startswith("int8_decode")}
+    assert decodes == {(k, t, d) for k in ("int8_decode", "int8_decode_u8_low") for t in ("fp32", "bf16") for d in head_dims}
 
 
 def test_bf16_dots_compile_to_hopper_tensor_cores(compiled):
