@@ -51,24 +51,25 @@ def blocked_hstu_attention(
     # α is applied to the queries, [T, H, D], rather than to every [QB, KB] score tile (4x the elements at D = 128).
     q_padded = torch.cat([q * alpha, q.new_zeros(1, H, D)])  # row T: what padding query slots read
     q_blocks = q_padded.index_select(0, schedule["block_rows"].reshape(-1)).view(num_blocks, query_block, H, D)
-    q_blocks = q_blocks.transpose(1, 2)  # [Q, H, QB, D]
-    block_out = torch.zeros(num_blocks, H, query_block, D, dtype=acc_dtype, device=q.device)
-    pairs_per_chunk = max(1, MAX_SCORE_ELEMENTS // (H * query_block * key_block))
     grad = torch.is_grad_enabled()
-    # [H, P * (T + 1)]: gathering along dim 1 gives each head's [QB, KB] tile contiguous, so the
-    # add into the [p, H, QB, KB] scores runs over whole tiles (the [pairs, H] layout made it strided).
+    q_blocks = q_blocks.permute(2, 0, 1, 3)  # [H, Q, QB, D]
+    q_blocks = q_blocks if grad else q_blocks.contiguous()
+    block_out = torch.zeros(H, num_blocks, query_block, D, dtype=acc_dtype, device=q.device)
+    pairs_per_chunk = max(1, MAX_SCORE_ELEMENTS // (H * query_block * key_block))
+    # [H, P * (T + 1)]: gathering along dim 1 gives each head's [p, QB, KB] scores contiguous, as the
+    # head-major scores are laid out (the [pairs, H] layout made the add strided).
     table = bias.pair_table().t().contiguous().to(q.dtype) if bias is not None else None
     for first in range(0, num_pairs, pairs_per_chunk):
         chunk = slice(first, first + pairs_per_chunk)
         blocks = schedule["pair_blocks"][chunk]  # [p]
         key_rows = schedule["key_rows"][chunk].reshape(-1)
         p = len(key_rows) // key_block
-        k_pairs = keys.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype).permute(0, 2, 3, 1)  # [p, H, D, KB]
-        v_pairs = values.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype).transpose(1, 2)  # [p, H, KB, D]
-        scores = torch.matmul(q_blocks.index_select(0, blocks), k_pairs)  # [p, H, QB, KB], α included
+        k_pairs = keys.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype)  # [p, KB, H, D]
+        v_pairs = values.index_select(0, key_rows).view(p, key_block, H, D).to(q.dtype)
+        scores = _per_head_matmul(q_blocks.index_select(1, blocks), k_pairs, keys_side=True)  # [H, p, QB, KB], α included
         if table is not None:
             index = _pair_index(bias, bias_inputs, schedule, schedule_name, chunk, blocks, key_rows)  # [p, QB, KB]
-            pair_bias = table.index_select(1, index.view(-1)).view(H, p, query_block, key_block).transpose(0, 1)
+            pair_bias = table.index_select(1, index.view(-1)).view(H, p, query_block, key_block)
             scores = scores + pair_bias if grad else scores.add_(pair_bias)
         scores = F.silu(scores, inplace=not grad)
         key_end = schedule["block_key_end"].index_select(0, blocks)  # [p, QB]
@@ -77,11 +78,10 @@ def blocked_hstu_attention(
         if key_window is not None:  # sliding window: also the keys before each row's window start
             key_start = schedule["block_key_start"].index_select(0, blocks)[:, :, None]
             hidden = hidden | ((key_positions < key_start) & (key_positions >= key_window.sink))
-        hidden = hidden[:, None]  # [p, 1, QB, KB]
-        scores = scores.masked_fill(hidden, 0.0) if grad else scores.masked_fill_(hidden, 0.0)
-        pair_out = torch.matmul(scores, v_pairs).to(acc_dtype)  # [p, H, QB, D]
-        block_out = block_out.index_add(0, blocks, pair_out) if grad else block_out.index_add_(0, blocks, pair_out)
-    slots = block_out.transpose(1, 2).reshape(num_blocks * query_block, H, D)
+        scores = scores.masked_fill(hidden, 0.0) if grad else scores.masked_fill_(hidden, 0.0)  # [p, QB, KB] per head
+        pair_out = _per_head_matmul(scores, v_pairs, keys_side=False).to(acc_dtype)  # [H, p, QB, D]
+        block_out = block_out.index_add(1, blocks, pair_out) if grad else block_out.index_add_(1, blocks, pair_out)
+    slots = block_out.permute(1, 2, 0, 3).reshape(num_blocks * query_block, H, D)
     slots = torch.cat([slots, slots.new_zeros(1, H, D)])  # the slot of rows no block covers
     out = slots.index_select(0, schedule["row_source"])  # [T, H, D]
     # M-FALCON: each candidate also sees itself, and no other candidate (never in the key rows).
@@ -92,6 +92,26 @@ def blocked_hstu_attention(
     self_score = F.silu(self_logit)
     out = torch.cat([out[:num_history_rows], out[num_history_rows:] + (self_score * v_c).to(acc_dtype)])
     return (out / normalizer).to(q.dtype)
+
+
+def _per_head_matmul(a: Tensor, rows: Tensor, keys_side: bool) -> Tensor:
+    """a [H, p, M, X] times each head's tile of rows [p, KB, H, D]: -> [H, p, M, KB] (keys_side: a @ tile^T,
+    the scores) or [H, p, M, D] (a @ tile, the values' sum).
+
+    Without autograd, one bmm per head reads its tiles where the gather left them: a head's [KB, D]
+    tile is a strided matrix BLAS takes as is (rows H * D apart), and each head's result fills a
+    contiguous slice of the output. A single matmul over [p, H] batches would first copy every
+    gathered key and value tile into batch-contiguous order (a third of the cached path's time on
+    CPU). Autograd takes no `out=`, so training runs that single matmul.
+    """
+    tiles = rows.permute(0, 2, 3, 1) if keys_side else rows.transpose(1, 2)  # [p, H, D, KB] / [p, H, KB, D]
+    if torch.is_grad_enabled():
+        return torch.matmul(a.transpose(0, 1), tiles).transpose(0, 1)
+    heads, p, m = a.shape[:3]
+    out = a.new_empty(heads, p, m, tiles.shape[-1])
+    for head in range(heads):
+        torch.bmm(a[head], tiles[:, head], out=out[head])
+    return out
 
 
 def _pair_index(bias: RelativeAttentionBias, inputs: BiasInputs, schedule: dict[str, Tensor], schedule_name: str,
