@@ -34,6 +34,7 @@ from model.config import PRESET_NAMES
 from model.evaluation import score_requests
 from model.quality import QualitySplit, QualityTable, compare, quality_split
 from model.train import TrainParams, TrainReport, add_recipe_arguments, date_to_ms, recipe_params, train
+from model.video_tags import VideoTagTable
 
 MODEL = "HSTU"
 CLICK_MARGIN_TARGET = 0.02  # the model's click AUC must exceed the best baseline's by this much
@@ -169,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         # Video counters frozen at the split: like the baselines, the model reads no other user's
         # event from the evaluation period (only each user's own history, as serving does).
         dataset = InferenceDataset(args.data_dir, video_counters_until_ms=date_to_ms(args.split_date))
-        split = quality_split(dataset, args.split_date, max_eval_requests=args.max_eval_requests)
+        # The sequential baselines read each video's tag wherever the data has tags, whatever the HSTU reads.
+        split = quality_split(dataset, args.split_date, max_eval_requests=args.max_eval_requests,
+                              video_tags=VideoTagTable.from_dataset_dir(dataset.root))
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

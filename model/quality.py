@@ -26,6 +26,7 @@ from model.baselines import Baseline, Interactions, Tuned, TuningData, Visits, t
 from model.baselines.registry import BASELINES, HISTORY_EVENTS
 from model.metrics import per_task_auc
 from model.train import TrainParams, date_to_ms, split_requests
+from model.video_tags import VideoTagTable
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class QualitySplit:
 
 
 def quality_split(dataset: InferenceDataset, split_date: int, holdout_fraction: float = 0.1,
-                  max_eval_requests: int | None = None, history_events: int = HISTORY_EVENTS) -> QualitySplit:
+                  max_eval_requests: int | None = None, history_events: int = HISTORY_EVENTS,
+                  video_tags: VideoTagTable | None = None) -> QualitySplit:
     params = TrainParams(split_date=split_date, holdout_fraction=holdout_fraction)
     train, holdout = split_requests(dataset, params)
     split_ms = date_to_ms(split_date)
@@ -59,7 +61,7 @@ def quality_split(dataset: InferenceDataset, split_date: int, holdout_fraction: 
     events, requests = dataset.event_arrays(), dataset.requests
 
     def visits(indices: np.ndarray, labelled: bool = True) -> Visits:
-        return Visits.build(events, requests, indices, history_events, with_labels=labelled)
+        return Visits.build(events, requests, indices, history_events, with_labels=labelled, video_tags=video_tags)
 
     return QualitySplit(
         train_requests=train, holdout_requests=holdout, eval_requests=evaluated,

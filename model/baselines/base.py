@@ -22,6 +22,7 @@ from data import jagged
 from data.dataset import EventArrays
 from data.requests import RequestTable
 from data.schema import action_labels
+from model.video_tags import VideoTagTable
 
 PADDING = -1  # video id of an empty history slot (visits are left-padded: the last slot is the latest event)
 
@@ -49,7 +50,9 @@ class Interactions:
 class Visits:
     """B visits: each one's last `history_events` events before it (left-padded with PADDING) and its
     candidates, flat in visit order. `labels` are the candidates' action bits, None where the
-    candidates are to be scored: a scorer given unlabelled visits cannot read what it predicts."""
+    candidates are to be scored: a scorer given unlabelled visits cannot read what it predicts.
+    `video_tags` is the catalogue's tag table when the data has one (what the HSTU's `--video_tags`
+    reads): a scorer may read each video's tag from it (`tags_of`), as the HSTU may."""
 
     user_ids: np.ndarray  # [B]
     history_videos: np.ndarray  # [B, L] int64, PADDING before the user's first event
@@ -57,6 +60,7 @@ class Visits:
     candidate_offsets: np.ndarray  # [B + 1] visit b's candidates are [offsets[b], offsets[b + 1])
     candidate_videos: np.ndarray  # [M]
     labels: np.ndarray | None  # [M, num_tasks] float32, or None
+    video_tags: VideoTagTable | None = None
 
     def __post_init__(self) -> None:
         b, m = len(self.user_ids), len(self.candidate_videos)
@@ -70,7 +74,7 @@ class Visits:
 
     @classmethod
     def build(cls, events: EventArrays, requests: RequestTable, indices: np.ndarray, history_events: int,
-              with_labels: bool) -> Visits:
+              with_labels: bool, video_tags: VideoTagTable | None = None) -> Visits:
         """Visits `indices` of `requests` over the dataset's event arrays: each visit's history is the
         last `history_events` of its user's events before the visit's first one (`end`), whatever the
         period they fall in; its candidates are the request's candidates."""
@@ -90,7 +94,7 @@ class Visits:
         candidates = jagged.range_indices(events.offsets[rows] + end, num_candidates)
         labels = action_labels(events.action_weights[candidates]) if with_labels else None
         return cls(requests.user_id[indices], videos, actions, jagged.offsets(num_candidates),
-                   events.video_ids[candidates], labels)
+                   events.video_ids[candidates], labels, video_tags)
 
     def __len__(self) -> int:
         return len(self.user_ids)
@@ -103,9 +107,13 @@ class Visits:
         """[M] the visit (row) each candidate belongs to."""
         return np.repeat(np.arange(len(self), dtype=np.int64), np.diff(self.candidate_offsets))
 
+    def tags_of(self, video_ids: np.ndarray) -> np.ndarray:
+        """Each video's tag row (`VideoTagTable.rows`; 0 for a video without one), PADDING kept as is."""
+        return tag_rows(self.video_tags, video_ids)
+
     def unlabelled(self) -> Visits:
         return Visits(self.user_ids, self.history_videos, self.history_actions, self.candidate_offsets,
-                      self.candidate_videos, None)
+                      self.candidate_videos, None, self.video_tags)
 
     def select(self, rows: np.ndarray) -> Visits:
         """The visits `rows` (in that order), with their candidates."""
@@ -114,7 +122,14 @@ class Visits:
         flat = jagged.range_indices(self.candidate_offsets[rows], counts)
         return Visits(self.user_ids[rows], self.history_videos[rows], self.history_actions[rows],
                       jagged.offsets(counts), self.candidate_videos[flat],
-                      None if self.labels is None else self.labels[flat])
+                      None if self.labels is None else self.labels[flat], self.video_tags)
+
+
+def tag_rows(video_tags: VideoTagTable | None, video_ids: np.ndarray) -> np.ndarray:
+    """Each video's tag row in `video_tags` (0 for a video without one), PADDING kept as is."""
+    if video_tags is None:
+        raise ValueError("these visits carry no video tag table (the data has no video tags)")
+    return np.where(video_ids == PADDING, PADDING, video_tags.rows(video_ids.ravel()).reshape(video_ids.shape))
 
 
 def require_labels(visits: Visits, role: str) -> np.ndarray:

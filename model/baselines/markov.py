@@ -10,6 +10,9 @@ history videos h_1..h_k, per task t:
 the transitions' positive rate, backed off to the candidate's own rate when they are few, and that to
 the training candidates' overall rate when the candidate is rare or unseen. Everything is counted
 with numpy over flat (source, candidate) pair keys: no loop over visits.
+
+`level="tag"` counts the same over the videos' tags (the visits' `video_tags`): transitions between
+kinds of video, which recur across users where a pair of video ids rarely does.
 """
 from __future__ import annotations
 
@@ -24,17 +27,19 @@ KEY_STRIDE = 1 << 31  # a (source, candidate) pair is the int64 key source x str
 class LastItemsMarkov(VisitScorer):
     name = "last-items Markov"
 
-    def __init__(self, last_events: int = 5, shrinkage: float = 5.0, prior: float = 10.0):
+    def __init__(self, last_events: int = 5, shrinkage: float = 5.0, prior: float = 10.0, level: str = "video"):
+        if level not in ("video", "tag"):
+            raise ValueError(f"level must be 'video' or 'tag', got {level!r}")
         if last_events < 1:
             raise ValueError(f"last_events must be >= 1, got {last_events}")
         if not (shrinkage > 0 and prior > 0):
             raise ValueError(f"shrinkage and prior must be > 0, got {shrinkage} and {prior}")
-        self.last_events, self.shrinkage, self.prior = last_events, shrinkage, prior
+        self.last_events, self.shrinkage, self.prior, self.level = last_events, shrinkage, prior, level
 
     def fit(self, train: Visits, holdout: Visits | None = None) -> LastItemsMarkov:
         labels = require_labels(train, "training").astype(np.float64)
         self.global_rate = labels.mean(axis=0)  # [T]
-        self.videos, video_row = np.unique(train.candidate_videos, return_inverse=True)
+        self.videos, video_row = np.unique(self._items(train, train.candidate_videos), return_inverse=True)
         shown = np.bincount(video_row, minlength=len(self.videos)).astype(np.float64)
         positives = np.zeros((len(self.videos), labels.shape[1]))
         np.add.at(positives, video_row, labels)
@@ -54,7 +59,7 @@ class LastItemsMarkov(VisitScorer):
         shown = np.bincount(candidate[known], weights=self.shown[row[known]], minlength=m)  # [M]
         positives = np.zeros((m, num_tasks))
         np.add.at(positives, candidate[known], self.positives[row[known]])
-        video, video_known = sorted_lookup(self.videos, visits.candidate_videos)
+        video, video_known = sorted_lookup(self.videos, self._items(visits, visits.candidate_videos))
         backoff = np.where(video_known[:, None], self.video_rate[video], self.global_rate)  # [M, T]
         return (positives + self.shrinkage * backoff) / (shown + self.shrinkage)[:, None]
 
@@ -64,10 +69,15 @@ class LastItemsMarkov(VisitScorer):
         if self.last_events > visits.history_length:
             raise ValueError(f"last_events={self.last_events} but the visits carry {visits.history_length} "
                              "history events (build them with a longer history)")
-        sources = visits.history_videos[:, -self.last_events:][visits.candidate_visit()]  # [M, k]
+        sources = self._items(visits, visits.history_videos[:, -self.last_events:])[visits.candidate_visit()]  # [M, k]
+        candidates = self._items(visits, visits.candidate_videos)
         candidate = np.broadcast_to(np.arange(len(sources))[:, None], sources.shape)
         real = sources != PADDING
         sources, candidate = sources[real], candidate[real]
-        if len(sources) and max(sources.max(), visits.candidate_videos.max()) >= KEY_STRIDE:
+        if len(sources) and max(sources.max(), candidates.max()) >= KEY_STRIDE:
             raise ValueError(f"video ids must be < {KEY_STRIDE} to form pair keys")
-        return sources * KEY_STRIDE + visits.candidate_videos[candidate], candidate
+        return sources * KEY_STRIDE + candidates[candidate], candidate
+
+    def _items(self, visits: Visits, video_ids: np.ndarray) -> np.ndarray:
+        """What the counts are over: the videos, or their tags."""
+        return video_ids if self.level == "video" else visits.tags_of(video_ids)

@@ -14,6 +14,8 @@ from model.baselines.tuning import Baseline, grid
 
 HISTORY_EVENTS = 50  # history events each visit carries for the sequential baselines (their longest input)
 
+_MARKOV = dict(last_events=(1, 5, 20), shrinkage=(1.0, 10.0), prior=(5.0, 20.0, 100.0))
+
 BASELINES: tuple[Baseline, ...] = (
     Baseline(ItemPopularity, ({},)),
     Baseline(UserKNN, grid(neighbours=(5, 10, 20, 40))),
@@ -22,6 +24,7 @@ BASELINES: tuple[Baseline, ...] = (
     Baseline(ImplicitBPR, grid(factors=(16, 64), learning_rate=(0.01, 0.05), iterations=(50, 200), signal=SIGNALS),
              seeded=True),
     Baseline(ItemKNN, grid(neighbours=(100, 500, 2000), weighting=WEIGHTINGS, signal=SIGNALS)),
-    Baseline(LastItemsMarkov, grid(last_events=(1, 5, 20), shrinkage=(1.0, 10.0), prior=(5.0, 20.0, 100.0))),
-    Baseline(SASRec, grid(blocks=(1, 2), dropout=(0.1, 0.3)), seeded=True),
+    Baseline(LastItemsMarkov, grid(**_MARKOV), tag_grid=grid(**_MARKOV, level=("tag",))),
+    Baseline(SASRec, grid(blocks=(1, 2), dropout=(0.1, 0.3)), seeded=True,
+             tag_grid=grid(blocks=(1, 2), dropout=(0.1, 0.3), level=("tag",))),
 )

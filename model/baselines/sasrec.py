@@ -9,6 +9,8 @@ would rank videos a user will see, not which of the shown ones they act on), Ada
 mini-batches of visits, keeping the epoch with the best holdout click AUC.
 
 Video ids the fit never saw (in a history or as a candidate) share one "unknown" embedding.
+`level="tag"` embeds each event's and candidate's video tag instead of its id (the visits'
+`video_tags`): a kind of video recurs across users where an id, seen a few times, is memorised.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from torch import nn
 
 from data.jagged import sorted_lookup
 from data.schema import NUM_TASKS, action_labels
-from model.baselines.base import PADDING, Visits, VisitScorer, require_labels
+from model.baselines.base import PADDING, Visits, VisitScorer, require_labels, tag_rows
 from model.evaluation import EarlyStopping
 from model.metrics import auc, selection_score
 
@@ -82,7 +84,9 @@ class SASRec(VisitScorer):
 
     def __init__(self, dim: int = 32, blocks: int = 2, heads: int = 2, history_events: int = 50, dropout: float = 0.2,
                  learning_rate: float = 1e-3, weight_decay: float = 0.01, epochs: int = 20, patience: int = 3,
-                 batch_size: int = 8, seed: int = 0):
+                 batch_size: int = 8, seed: int = 0, level: str = "video"):
+        if level not in ("video", "tag"):
+            raise ValueError(f"level must be 'video' or 'tag', got {level!r}")
         for label, value in (("dim", dim), ("blocks", blocks), ("heads", heads), ("history_events", history_events),
                              ("epochs", epochs), ("patience", patience), ("batch_size", batch_size)):
             if value < 1:
@@ -95,7 +99,7 @@ class SASRec(VisitScorer):
         self.learning_rate, self.weight_decay, self.epochs, self.patience = learning_rate, weight_decay, epochs, patience
         # Small batches: at 32 visits a step an epoch of the demo's 591 training visits is 19 steps, and
         # the kept holdout click AUC ranged 0.63-0.69 by seed; at 8 it was 0.67-0.69.
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.seed, self.level = batch_size, seed, level
         self.kept_epoch = epochs
 
     def fit(self, train: Visits, holdout: Visits | None = None) -> SASRec:
@@ -106,7 +110,8 @@ class SASRec(VisitScorer):
             require_labels(holdout, "holdout")
         torch.manual_seed(self.seed)
         rng = np.random.default_rng(self.seed)
-        seen = np.concatenate([train.history_videos.ravel(), train.candidate_videos])
+        self.video_tags = train.video_tags  # a fit over tags reads the training visits' table for every visit
+        seen = np.concatenate([self._items(train.history_videos.ravel()), self._items(train.candidate_videos)])
         self.vocabulary = np.unique(seen[seen != PADDING])
         self.net = _SASRecNet(len(self.vocabulary) + 2, self.history_events, self.dim, self.blocks, self.heads,
                               self.dropout)
@@ -152,13 +157,17 @@ class SASRec(VisitScorer):
                              "history events (build them with a longer history)")
         videos = visits.history_videos[:, -self.history_events:]
         actions = action_labels(visits.history_actions[:, -self.history_events:].ravel())
-        return self.net(torch.from_numpy(self._rows(videos)),
+        return self.net(torch.from_numpy(self._rows(self._items(videos))),
                         torch.from_numpy(actions.reshape(*videos.shape, NUM_TASKS)),
-                        torch.from_numpy(self._rows(visits.candidate_videos)),
+                        torch.from_numpy(self._rows(self._items(visits.candidate_videos))),
                         torch.from_numpy(visits.candidate_visit()))
 
-    def _rows(self, video_ids: np.ndarray) -> np.ndarray:
-        """Embedding rows: PAD_ROW for padding, UNKNOWN_ROW for a video the fit never saw."""
-        row, known = sorted_lookup(self.vocabulary, video_ids.ravel())
+    def _items(self, video_ids: np.ndarray) -> np.ndarray:
+        """What is embedded: the videos, or their tags (PADDING kept)."""
+        return video_ids if self.level == "video" else tag_rows(self.video_tags, video_ids)
+
+    def _rows(self, items: np.ndarray) -> np.ndarray:
+        """Embedding rows: PAD_ROW for padding, UNKNOWN_ROW for an item the fit never saw."""
+        row, known = sorted_lookup(self.vocabulary, items.ravel())
         rows = np.where(known, row + 2, UNKNOWN_ROW)
-        return np.where(video_ids.ravel() == PADDING, PAD_ROW, rows).reshape(video_ids.shape)
+        return np.where(items.ravel() == PADDING, PAD_ROW, rows).reshape(items.shape)

@@ -34,11 +34,13 @@ def grid(**axes: tuple) -> tuple[dict[str, object], ...]:
 
 @dataclass(frozen=True)
 class Baseline:
-    """A scorer class, the grid its constructor is tuned over, and whether it takes a `seed`."""
+    """A scorer class, the grid its constructor is tuned over, and whether it takes a `seed`; `tag_grid`:
+    more points, tried only on visits that carry the data's video tags (`Visits.video_tags`)."""
 
     scorer: type[PairScorer] | type[VisitScorer]
     grid: tuple[dict[str, object], ...]
     seeded: bool = False
+    tag_grid: tuple[dict[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.grid:
@@ -51,6 +53,11 @@ class Baseline:
     @property
     def sequential(self) -> bool:
         return issubclass(self.scorer, VisitScorer)
+
+    def points(self, data: TuningData) -> tuple[dict[str, object], ...]:
+        """The grid points to try on `data`."""
+        with_tags = self.sequential and data.fit_visits.video_tags is not None
+        return self.grid + self.tag_grid if with_tags else self.grid
 
     def build(self, params: dict[str, object], seed: int) -> Scorer:
         return self.scorer(**params, seed=seed) if self.seeded else self.scorer(**params)
@@ -91,7 +98,7 @@ def tune(baseline: Baseline, data: TuningData, seed: int = 0, progress: bool = T
     fit_on, holdout, refit_on, score_holdout = _stages(baseline, data)
     remedy = f"{baseline.name} cannot be tuned on a holdout whose candidates are all clicked or none is"
     trials, best, best_rank, kept = [], None, float("inf"), None
-    for params in tqdm(baseline.grid, desc=f"tune {baseline.name}", leave=False, file=sys.stderr, disable=not progress):
+    for params in tqdm(baseline.points(data), desc=f"tune {baseline.name}", leave=False, file=sys.stderr, disable=not progress):
         scorer = baseline.build(params, seed).fit(fit_on, holdout)
         trial = Trial({**params, **scorer.picked()}, auc(score_holdout(scorer)[:, 0], holdout.labels[:, 0]))
         trials.append(trial)

@@ -8,7 +8,10 @@ from data.dataset import EventArrays
 from data.requests import RequestTable
 from helpers import NUM_TASKS, transition_visits
 from model.baselines import Interactions, ItemPopularity, LastItemsMarkov, MatrixFactorization, SASRec, Visits
+from model.baselines.base import PADDING
+from model.baselines.tuning import Baseline, TuningData, grid, tune
 from model.metrics import auc
+from model.video_tags import VideoTagTable
 
 
 def _as_pairs(visits: Visits) -> Interactions:
@@ -149,3 +152,60 @@ def test_sequential_baselines_refuse_bad_input(planted):
     with pytest.raises(ValueError, match=r"labels \(7, 8\) for 8 candidates"):
         Visits(np.array([0, 1]), np.zeros((2, 3), np.int64), np.zeros((2, 3), np.int64), np.array([0, 4, 8]),
                np.zeros(8, np.int64), np.zeros((7, NUM_TASKS), np.float32))
+
+
+def _as_fresh_videos(visits: Visits, tags: int, first_copy: int, rng: np.random.Generator) -> Visits:
+    """`visits` over `tags` kinds of video (transition_visits' videos), each event and candidate renamed to
+    a video of that kind drawn from 1,000 copies from `first_copy` on: the planted rule holds between
+    kinds, while a video id recurs rarely (and never between two ranges of copies)."""
+    def rename(ids):
+        return np.where(ids == PADDING, PADDING, ids + tags * (first_copy + rng.integers(0, 1000, ids.shape)))
+
+    every_video = np.arange(tags * 2000 + tags)
+    table = VideoTagTable.from_pairs(every_video, every_video % tags)
+    return Visits(visits.user_ids, rename(visits.history_videos), visits.history_actions, visits.candidate_offsets,
+                  rename(visits.candidate_videos), visits.labels, table)
+
+
+@pytest.fixture(scope="module")
+def planted_between_tags():
+    """`planted`'s visits (the same draws), their videos renamed by `_as_fresh_videos`."""
+    rng = np.random.default_rng(0)
+    train, holdout, fresh = transition_visits(rng, 600), transition_visits(rng, 150), transition_visits(rng, 300)
+    return (_as_fresh_videos(train, 30, 0, rng), _as_fresh_videos(holdout, 30, 0, rng),
+            _as_fresh_videos(fresh, 30, 1000, rng))
+
+
+def test_markov_model_over_tags_learns_a_rule_between_kinds_of_video(planted_between_tags):
+    """Every scored video is new: transitions between ids carry nothing, transitions between their tags do."""
+    train, _, fresh = planted_between_tags
+    by_tag = LastItemsMarkov(last_events=1, level="tag").fit(train).score(fresh.unlabelled())
+    by_video = LastItemsMarkov(last_events=1).fit(train).score(fresh.unlabelled())
+    assert _click_auc(by_tag, fresh) > 0.8 and _click_auc(by_video, fresh) < 0.6
+    untagged = Visits(*(getattr(train, f) for f in ("user_ids", "history_videos", "history_actions",
+                                                    "candidate_offsets", "candidate_videos", "labels")))
+    with pytest.raises(ValueError, match="no video tag table"):
+        LastItemsMarkov(level="tag").fit(untagged)
+
+
+def test_sasrec_over_tags_learns_a_rule_between_kinds_of_video(planted_between_tags):
+    """Over ids it memorises the training videos (each seen about once) and learns nothing that carries."""
+    train, holdout, fresh = planted_between_tags
+    kwargs = dict(dim=16, blocks=1, heads=1, history_events=5, dropout=0.0, learning_rate=3e-3, epochs=15, seed=0)
+    by_tag = SASRec(**kwargs, level="tag").fit(train, holdout)
+    by_video = SASRec(**kwargs).fit(train, holdout)
+    assert _click_auc(by_tag.score(fresh.unlabelled()), fresh) > 0.8
+    assert _click_auc(by_video.score(fresh.unlabelled()), fresh) < 0.6
+
+
+def test_tuning_tries_the_tag_grid_only_on_tagged_visits(planted_between_tags):
+    train, holdout, _ = planted_between_tags
+    markov = Baseline(LastItemsMarkov, grid(last_events=(1, 5)), tag_grid=grid(last_events=(1, 5), level=("tag",)))
+    untagged = [Visits(*(getattr(v, f) for f in ("user_ids", "history_videos", "history_actions", "candidate_offsets",
+                                                  "candidate_videos", "labels"))) for v in (train, holdout)]
+    pairs = _as_pairs(train)
+    tagged_data = TuningData(pairs, _as_pairs(holdout), pairs, train, holdout, train)
+    plain_data = TuningData(pairs, _as_pairs(holdout), pairs, untagged[0], untagged[1], untagged[0])
+    assert markov.points(tagged_data) == markov.grid + markov.tag_grid
+    assert markov.points(plain_data) == markov.grid
+    assert tune(markov, tagged_data, progress=False).params["level"] == "tag"
