@@ -33,7 +33,7 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import PRESET_NAMES
 from model.evaluation import score_requests
 from model.quality import QualitySplit, QualityTable, compare, quality_split
-from model.train import TrainParams, TrainReport, add_recipe_arguments, date_to_ms, recipe_params, train
+from model.train import TrainParams, TrainReport, add_recipe_arguments, date_to_ms, parse_recipe_arguments, recipe_params, train
 from model.video_tags import VideoTagTable
 
 MODEL = "HSTU"
@@ -99,7 +99,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"the baselines to fit (default: all): {', '.join(repr(n) for n in names)}")
     p.add_argument("--baselines_only", action="store_true", help="fit and score the baselines alone (no model)")
     p.add_argument("--output", type=Path, help="JSON results")
-    args = p.parse_args(argv)
+    args = parse_recipe_arguments(p, argv)
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds repeats a seed: {args.seeds}")
     unknown = [name for name in args.baselines if name not in names]

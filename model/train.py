@@ -110,6 +110,18 @@ class TrainParams:
             raise ValueError(f"select_on must be one of {', '.join(SELECT_ON)}, got {self.select_on!r}")
 
 
+# Named sets of TrainParams fields (`--recipe NAME`; explicit options still win over the recipe's).
+# "sequence" trains the sequence path to read the history (docs/model.md, "Training long enough"): a
+# rate the 256-wide layers can find matching events at, every history position of the crop a target,
+# no absolute positions and no per-id rows to memorise, tags to generalise over, and epochs enough for
+# the attention to leave its plateau (the holdout picks the epoch).
+RECIPES: dict[str, dict[str, object]] = {
+    "default": {},
+    "sequence": dict(epochs=10, patience=3, learning_rate=2.5e-4, history_targets=32, position_table_size=1,
+                     dropout=0.1, video_hash_size=1, user_hash_size=0, video_tags=True),
+}
+
+
 @dataclass(frozen=True)
 class EpochReport:
     epoch: int
@@ -373,6 +385,8 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """How a model is trained (the TrainParams fields of `recipe_params`, but the batch size), for every
     script that trains: the trainer and the quality benchmark train with the same options."""
     d = TrainParams()
+    p.add_argument("--recipe", choices=tuple(RECIPES), default="default",
+                   help="a named set of the options below (model.train.RECIPES); options given explicitly win")
     p.add_argument("--epochs", type=int, default=d.epochs, help="at most (early stopping on the holdout, see --select_on)")
     p.add_argument("--patience", type=int, default=d.patience)
     p.add_argument("--warmup_steps", type=int, default=d.warmup_steps)
@@ -394,11 +408,19 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
 
 
+def parse_recipe_arguments(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`p.parse_args(argv)` with the chosen `--recipe`'s values as the defaults of its options."""
+    chosen = p.parse_known_args(argv)[0].recipe
+    p.set_defaults(**RECIPES[chosen])
+    return p.parse_args(argv)
+
+
 def recipe_params(args: argparse.Namespace, **fields) -> TrainParams:
     """TrainParams from the options of `add_recipe_arguments`, with `fields` (preset, seed, ...) beside them."""
     recipe = argparse.ArgumentParser(add_help=False)
     add_recipe_arguments(recipe)
-    return TrainParams(**{name: getattr(args, name) for name in vars(recipe.parse_args([]))}, **fields)
+    names = set(vars(recipe.parse_args([]))) - {"recipe"}
+    return TrainParams(**{name: getattr(args, name) for name in names}, **fields)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -414,7 +436,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max_train_requests", type=int, default=None)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device)
-    return p.parse_args(argv)
+    return parse_recipe_arguments(p, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

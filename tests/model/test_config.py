@@ -61,3 +61,24 @@ def test_recipe_options_reach_the_train_params():
     params = recipe_params(p.parse_args(["--attention_window", "64", "--learning_rate", "3e-4", "--video_tags"]),
                            seed=5)
     assert (params.attention_window, params.learning_rate, params.video_tags, params.seed) == (64, 3e-4, True, 5)
+
+
+def test_a_named_recipe_sets_the_defaults_and_explicit_options_win():
+    import argparse
+    import dataclasses
+
+    from model.train import RECIPES, TrainParams, add_recipe_arguments, parse_recipe_arguments, recipe_params
+
+    fields = {f.name for f in dataclasses.fields(TrainParams)}
+    assert all(set(recipe) <= fields for recipe in RECIPES.values())
+
+    def params(*argv):
+        p = argparse.ArgumentParser()
+        add_recipe_arguments(p)
+        return recipe_params(parse_recipe_arguments(p, list(argv)))
+
+    sequence = params("--recipe", "sequence")
+    assert {name: getattr(sequence, name) for name in RECIPES["sequence"]} == RECIPES["sequence"]
+    overridden = params("--recipe", "sequence", "--learning_rate", "1e-3")
+    assert overridden.learning_rate == 1e-3 and overridden.history_targets == RECIPES["sequence"]["history_targets"]
+    assert params() == TrainParams() == params("--recipe", "default")
