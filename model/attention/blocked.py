@@ -53,7 +53,7 @@ def blocked_hstu_attention(
     q_blocks = q_padded.index_select(0, schedule["block_rows"].reshape(-1)).view(num_blocks, query_block, H, D)
     grad = torch.is_grad_enabled()
     q_blocks = q_blocks.permute(2, 0, 1, 3)  # [H, Q, QB, D]
-    q_blocks = q_blocks if grad else q_blocks.contiguous()
+    q_blocks = q_blocks.contiguous() if not grad and q.device.type == "cpu" else q_blocks
     block_out = torch.zeros(H, num_blocks, query_block, D, dtype=acc_dtype, device=q.device)
     pairs_per_chunk = max(1, MAX_SCORE_ELEMENTS // (H * query_block * key_block))
     # [H, P * (T + 1)]: gathering along dim 1 gives each head's [p, QB, KB] scores contiguous, as the
@@ -102,10 +102,11 @@ def _per_head_matmul(a: Tensor, rows: Tensor, keys_side: bool) -> Tensor:
     tile is a strided matrix BLAS takes as is (rows H * D apart), and each head's result fills a
     contiguous slice of the output. A single matmul over [p, H] batches would first copy every
     gathered key and value tile into batch-contiguous order (a third of the cached path's time on
-    CPU). Autograd takes no `out=`, so training runs that single matmul.
+    CPU). Autograd takes no `out=`, so training runs that single matmul, and so does a GPU, where one
+    launch beats H (the Triton backend is what serves there).
     """
     tiles = rows.permute(0, 2, 3, 1) if keys_side else rows.transpose(1, 2)  # [p, H, D, KB] / [p, H, KB, D]
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() or a.device.type != "cpu":
         return torch.matmul(a.transpose(0, 1), tiles).transpose(0, 1)
     heads, p, m = a.shape[:3]
     out = a.new_empty(heads, p, m, tiles.shape[-1])
