@@ -1,6 +1,8 @@
 """Sequential baselines (model/baselines/markov.py, sasrec.py) and the visits they read (base.Visits)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -182,8 +184,7 @@ def test_markov_model_over_tags_learns_a_rule_between_kinds_of_video(planted_bet
     by_tag = LastItemsMarkov(last_events=1, level="tag").fit(train).score(fresh.unlabelled())
     by_video = LastItemsMarkov(last_events=1).fit(train).score(fresh.unlabelled())
     assert _click_auc(by_tag, fresh) > 0.8 and _click_auc(by_video, fresh) < 0.6
-    untagged = Visits(*(getattr(train, f) for f in ("user_ids", "history_videos", "history_actions",
-                                                    "candidate_offsets", "candidate_videos", "labels")))
+    untagged = dataclasses.replace(train, video_tags=None)
     with pytest.raises(ValueError, match="no video tag table"):
         LastItemsMarkov(level="tag").fit(untagged)
 
@@ -201,8 +202,7 @@ def test_sasrec_over_tags_learns_a_rule_between_kinds_of_video(planted_between_t
 def test_tuning_tries_the_tag_grid_only_on_tagged_visits(planted_between_tags):
     train, holdout, _ = planted_between_tags
     markov = Baseline(LastItemsMarkov, grid(last_events=(1, 5)), tag_grid=grid(last_events=(1, 5), level=("tag",)))
-    untagged = [Visits(*(getattr(v, f) for f in ("user_ids", "history_videos", "history_actions", "candidate_offsets",
-                                                  "candidate_videos", "labels"))) for v in (train, holdout)]
+    untagged = [dataclasses.replace(v, video_tags=None) for v in (train, holdout)]
     pairs = _as_pairs(train)
     tagged_data = TuningData(pairs, _as_pairs(holdout), pairs, train, holdout, train)
     plain_data = TuningData(pairs, _as_pairs(holdout), pairs, untagged[0], untagged[1], untagged[0])
