@@ -52,7 +52,7 @@ class Visits:
     candidates, flat in visit order. `labels` are the candidates' action bits, None where the
     candidates are to be scored: a scorer given unlabelled visits cannot read what it predicts.
     `video_tags` is the catalogue's tag table when the data has one (what the HSTU's `--video_tags`
-    reads): a scorer may read each video's tag from it (`tags_of`), as the HSTU may."""
+    reads): a scorer may read each video's tag from it (`items_at`), as the HSTU may."""
 
     user_ids: np.ndarray  # [B]
     history_videos: np.ndarray  # [B, L] int64, PADDING before the user's first event
@@ -107,10 +107,6 @@ class Visits:
         """[M] the visit (row) each candidate belongs to."""
         return np.repeat(np.arange(len(self), dtype=np.int64), np.diff(self.candidate_offsets))
 
-    def tags_of(self, video_ids: np.ndarray) -> np.ndarray:
-        """Each video's tag row (`VideoTagTable.rows`; 0 for a video without one), PADDING kept as is."""
-        return tag_rows(self.video_tags, video_ids)
-
     def unlabelled(self) -> Visits:
         return Visits(self.user_ids, self.history_videos, self.history_actions, self.candidate_offsets,
                       self.candidate_videos, None, self.video_tags)
@@ -123,6 +119,19 @@ class Visits:
         return Visits(self.user_ids[rows], self.history_videos[rows], self.history_actions[rows],
                       jagged.offsets(counts), self.candidate_videos[flat],
                       None if self.labels is None else self.labels[flat], self.video_tags)
+
+
+LEVELS = ("video", "tag")  # what a sequential baseline counts or embeds: each video, or its tag
+
+
+def check_level(level: str) -> None:
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
+
+
+def items_at(level: str, video_tags: VideoTagTable | None, video_ids: np.ndarray) -> np.ndarray:
+    """The videos (level "video") or their tag rows (level "tag"), PADDING kept."""
+    return video_ids if level == "video" else tag_rows(video_tags, video_ids)
 
 
 def tag_rows(video_tags: VideoTagTable | None, video_ids: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from data.jagged import sorted_lookup
-from model.baselines.base import PADDING, Visits, VisitScorer, require_labels
+from model.baselines.base import PADDING, Visits, VisitScorer, check_level, items_at, require_labels
 
 KEY_STRIDE = 1 << 31  # a (source, candidate) pair is the int64 key source x stride + candidate
 
@@ -28,8 +28,7 @@ class LastItemsMarkov(VisitScorer):
     name = "last-items Markov"
 
     def __init__(self, last_events: int = 5, shrinkage: float = 5.0, prior: float = 10.0, level: str = "video"):
-        if level not in ("video", "tag"):
-            raise ValueError(f"level must be 'video' or 'tag', got {level!r}")
+        check_level(level)
         if last_events < 1:
             raise ValueError(f"last_events must be >= 1, got {last_events}")
         if not (shrinkage > 0 and prior > 0):
@@ -80,4 +79,4 @@ class LastItemsMarkov(VisitScorer):
 
     def _items(self, visits: Visits, video_ids: np.ndarray) -> np.ndarray:
         """What the counts are over: the videos, or their tags."""
-        return video_ids if self.level == "video" else visits.tags_of(video_ids)
+        return items_at(self.level, visits.video_tags, video_ids)

@@ -21,7 +21,7 @@ from torch import nn
 
 from data.jagged import sorted_lookup
 from data.schema import NUM_TASKS, action_labels
-from model.baselines.base import PADDING, Visits, VisitScorer, require_labels, tag_rows
+from model.baselines.base import PADDING, Visits, VisitScorer, check_level, items_at, require_labels
 from model.evaluation import EarlyStopping
 from model.metrics import auc, selection_score
 
@@ -85,8 +85,7 @@ class SASRec(VisitScorer):
     def __init__(self, dim: int = 32, blocks: int = 2, heads: int = 2, history_events: int = 50, dropout: float = 0.2,
                  learning_rate: float = 1e-3, weight_decay: float = 0.01, epochs: int = 20, patience: int = 3,
                  batch_size: int = 8, seed: int = 0, level: str = "video"):
-        if level not in ("video", "tag"):
-            raise ValueError(f"level must be 'video' or 'tag', got {level!r}")
+        check_level(level)
         for label, value in (("dim", dim), ("blocks", blocks), ("heads", heads), ("history_events", history_events),
                              ("epochs", epochs), ("patience", patience), ("batch_size", batch_size)):
             if value < 1:
@@ -164,7 +163,7 @@ class SASRec(VisitScorer):
 
     def _items(self, video_ids: np.ndarray) -> np.ndarray:
         """What is embedded: the videos, or their tags (PADDING kept)."""
-        return video_ids if self.level == "video" else tag_rows(self.video_tags, video_ids)
+        return items_at(self.level, self.video_tags, video_ids)
 
     def _rows(self, items: np.ndarray) -> np.ndarray:
         """Embedding rows: PAD_ROW for padding, UNKNOWN_ROW for an item the fit never saw."""
