@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from ..config import PageLayout
-from . import triton_int8
 from .values import ValueCodec, aligned, cast_error, layer_shape
 
 _GROUP_DIMS = (3, 5)  # [k, l, 2, S, H, D]: a group spans the page's tokens and a head's dims
@@ -75,14 +74,11 @@ class Int8Values(ValueCodec):
         if self.affine:
             out += lows[:, :, :, None, :, None]
 
-    def decode_to_pages(self, layout: PageLayout, rows: Tensor, pages: Tensor, page_ids: Tensor) -> None:
-        if not triton_int8.applies(rows):
-            super().decode_to_pages(layout, rows, pages, page_ids)
-            return
-        scales, lows, codes = self._fields(layout, rows, pages.shape[0])
+    def affine_views(self, layout: PageLayout, rows: Tensor, num_layers: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        scales, lows, codes = self._fields(layout, rows, num_layers)
         per_token = codes.shape[:5]  # a page-head's scale, read by each of the page's tokens (stride 0)
-        triton_int8.decode_into_pages(pages, page_ids, codes, scales[:, :, :, None, :].expand(per_token),
-                                      None if lows is None else lows[:, :, :, None, :].expand(per_token))
+        return (codes, scales[:, :, :, None, :].expand(per_token),
+                None if lows is None else lows[:, :, :, None, :].expand(per_token))
 
     def max_abs_error(self, layout: PageLayout, kv: Tensor) -> Tensor:
         x = kv.float()

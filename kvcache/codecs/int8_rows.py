@@ -35,7 +35,6 @@ import torch
 from torch import Tensor
 
 from ..config import PageLayout
-from . import triton_int8
 from .int8 import quantisation_error_bound, quantisation_step
 from .values import ValueCodec, aligned
 
@@ -139,12 +138,9 @@ class Int8RowValues(ValueCodec):
         for future in futures:
             future.result()
 
-    def decode_to_pages(self, layout: PageLayout, rows: Tensor, pages: Tensor, page_ids: Tensor) -> None:
-        if not triton_int8.applies(rows):
-            super().decode_to_pages(layout, rows, pages, page_ids)
-            return
-        fused, scales, lows = self._fields(layout, rows, pages.shape[0])
-        triton_int8.decode_into_pages(pages, page_ids, fused[..., : layout.head_dim], scales[..., 0], lows[..., 0])
+    def affine_views(self, layout: PageLayout, rows: Tensor, num_layers: int) -> tuple[Tensor, Tensor, Tensor]:
+        fused, scales, lows = self._fields(layout, rows, num_layers)
+        return fused[..., : layout.head_dim], scales[..., 0], lows[..., 0]
 
     @staticmethod
     def _kernel_can_write(rows: Tensor, out: Tensor) -> bool:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..config import PageLayout
+from . import triton_int8
 
 ALIGN = 8  # every field of an encoded page starts 8-byte aligned, so it can be viewed as any dtype
 
@@ -49,10 +50,19 @@ class ValueCodec(ABC):
         """`decode` scattered into a pool: pages[:, :, page_ids[i]] <- page i decoded, for every layer.
 
         rows [k, width] uint8 and page_ids [k] int64 on the pool's device; pages [l, 2, P, S, H, D] in
-        `layout.dtype` (the pool's pages of these l layers). Codecs with a kernel that writes the pool
-        directly override it."""
+        `layout.dtype` (the pool's pages of these l layers). Codecs whose values are `codes * scale + low`
+        (`affine_views`) are decoded by the Triton kernel where it runs, straight into the pages."""
+        views = self.affine_views(layout, rows, pages.shape[0]) if triton_int8.applies(rows) else None
+        if views is not None:
+            triton_int8.decode_into_pages(pages, page_ids, *views)
+            return
         decoded = self.decode(layout, rows, pages.shape[0])  # [k, l, 2, S, H, D]
         pages.index_copy_(2, page_ids, decoded.permute(1, 2, 0, 3, 4, 5))
+
+    def affine_views(self, layout: PageLayout, rows: Tensor, num_layers: int) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """(codes [k, l, 2, S, H, D] int8/uint8, scale and low [k, l, 2, S, H] float32 or None) viewing rows,
+        for codecs that decode to `codes * scale + low`; None for the others."""
+        return None
 
     @abstractmethod
     def max_abs_error(self, layout: PageLayout, kv: Tensor) -> Tensor:

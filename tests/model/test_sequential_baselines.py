@@ -209,3 +209,9 @@ def test_tuning_tries_the_tag_grid_only_on_tagged_visits(planted_between_tags):
     assert markov.points(tagged_data) == markov.grid + markov.tag_grid
     assert markov.points(plain_data) == markov.grid
     assert tune(markov, tagged_data, progress=False).params["level"] == "tag"
+
+
+def test_an_unknown_level_is_refused_by_name():
+    for scorer in (LastItemsMarkov, SASRec):
+        with pytest.raises(ValueError, match="level must be one of 'video', 'tag', got 'cluster'"):
+            scorer(level="cluster")
