@@ -65,18 +65,27 @@ class _Buffers(threading.local):
 
 
 _BUFFERS = _Buffers()
-_WORKERS: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the executor)
+_WORKERS: ThreadPoolExecutor | None = None
 _WORKERS_LOCK = threading.Lock()
 
 
 def _workers() -> ThreadPoolExecutor:
-    """The decode threads of this process (a forked child, whose copy of the parent's executor has no
-    threads behind it, gets its own)."""
+    """The decode threads of this process, started on first use."""
     global _WORKERS
     with _WORKERS_LOCK:
-        if _WORKERS is None or _WORKERS[0] != os.getpid():
-            _WORKERS = (os.getpid(), ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="kv-int8-decode"))
-        return _WORKERS[1]
+        if _WORKERS is None:
+            _WORKERS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="kv-int8-decode")
+        return _WORKERS
+
+
+def _forget_workers() -> None:
+    """In a forked child: the parent's executor has no threads behind it here, and its lock may have
+    been copied held (by a parent thread that was starting the executor)."""
+    global _WORKERS, _WORKERS_LOCK
+    _WORKERS, _WORKERS_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_workers)
 
 
 def _decode_blocks(blocks: list[tuple[Tensor, Tensor]]) -> None:

@@ -92,6 +92,19 @@ def test_a_forked_child_decodes_with_its_own_threads():
     assert torch.equal(decoded, pool.permute(2, 0, 1, 3, 4, 5))
 
 
+def test_a_child_forked_while_a_parent_thread_starts_the_decoders_does_not_hang():
+    """The lock that guards the executor's start may be copied held into a child: the child gets its own."""
+    import multiprocessing
+
+    from kvcache.codecs import int8_rows
+
+    values, rows, _ = _encoded(3, 2)
+    context = multiprocessing.get_context("fork")
+    with int8_rows._WORKERS_LOCK, context.Pool(1) as children:  # forked with the lock held
+        decoded = children.apply_async(_decode_in_child, (values, rows)).get(timeout=60)
+    assert torch.equal(decoded, values.decode(LAYOUT, rows, 3))
+
+
 def _decode_in_child(values, rows):
     torch.set_num_threads(2)
     pool = torch.zeros(3, 2, 3, *LAYOUT.page_shape[2:])
