@@ -26,7 +26,8 @@ sightings the candidate's video has, with how often its most likely cluster is t
 On `--signal sequential` data, where exposures and clicks depend on the order of each user's events,
 those rows' click and exposure models do not hold; the script scores instead with and without the
 order of the history (benchmark/sequence_bounds.py): the oracle, the history in order, the history as
-a bag of events, the affinity alone, and what the order is worth (in order less bag).
+a bag of events, the affinity alone, and what the order is worth (in order less bag); and, where the
+data has video tags, the last three again with each video's cluster read from its tag.
 
 Prints the table and writes JSON (--output). Meant for demo-sized data (tens of thousands of
 videos): the posterior holds a [videos, clusters, 29] array.
@@ -50,6 +51,7 @@ from model.baselines import Interactions
 from model.metrics import auc
 from model.quality import QualitySplit, quality_split
 from model.train import DEFAULT_SPLIT_DATE
+from model.video_tags import VideoTagTable
 from sequence_bounds import order_bounds
 
 QUALITY_GRID = np.linspace(-5.0, 5.0, 101)  # posterior support of a video's quality, affinity units
@@ -179,11 +181,14 @@ def _report_sightings(summary: SyntheticSummary, config: SyntheticConfig, split:
 
 
 def _report_order(summary: SyntheticSummary, dataset: InferenceDataset, split: QualitySplit, header: str) -> dict:
-    aucs, gain = order_bounds(summary.world, summary.sequence, dataset, split)
+    aucs, gains = order_bounds(summary.world, summary.sequence, dataset, split,
+                               tags=VideoTagTable.from_dataset_dir(dataset.root))
     print(header)
     _print_aucs(aucs)
-    print(f"order is worth {'n/a' if gain is None else f'{gain:+.4f}'} click AUC (history in order less history as a bag)")
-    return {"auc": aucs, "order_gain": gain}
+    for reading, gain in gains.items():
+        print(f"order is worth {_fmt(gain) if gain is None else f'{gain:+.4f}'} click AUC with {reading} "
+              "(history in order less history as a bag)")
+    return {"auc": aucs, "order_gain": gains}
 
 
 def _print_aucs(aucs: dict[str, float | None]) -> None:

@@ -141,8 +141,11 @@ class HistoryTraces(NamedTuple):
     fatigue: np.ndarray  # [P, K]
 
     def sequential_affinity(self, world: SequenceWorld, clusters: np.ndarray) -> np.ndarray:
-        """[m] clusters of the next event -> [P, m] its sequential affinity under each arrangement."""
-        return world.sequential_affinity(self.interest[:, clusters], self.total[:, None], self.fatigue[:, clusters])
+        """[m] clusters of the next event, or [P, m] (one reading per arrangement) -> [P, m] its
+        sequential affinity under each arrangement."""
+        at = np.broadcast_to(clusters, (len(self.total), clusters.shape[-1]))
+        return world.sequential_affinity(np.take_along_axis(self.interest, at, axis=1), self.total[:, None],
+                                         np.take_along_axis(self.fatigue, at, axis=1))
 
 
 def history_traces(world: SequenceWorld, time_ms: np.ndarray, at_ms: int, cluster: np.ndarray,
