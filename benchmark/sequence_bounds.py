@@ -2,16 +2,16 @@
 sequential rows). Every score knows the world (taste, quality, propensity, each video's cluster, the
 sequential rules, the click intercept); they differ in what they know of the sequence:
 
-    oracle                 the true click logit: the affinity plus the sequential part the event
-                           was drawn with, which counts the visit's earlier events too
-    history in order       the affinity plus the sequential part of the history before the visit,
+    oracle                 the true click probability: of the affinity plus the sequential part the
+                           event was drawn with, which counts the visit's earlier events too
+    history in order       of the affinity plus the sequential part of the history before the visit,
                            in order, at the visit's start: the most a model that reads the history
                            (and not the visit's other candidates) can know
     history as a bag       the expected click probability when the same history events (videos,
                            clusters, actions) sit in a uniformly random order over the history's
                            time slots: a scorer that sees the multiset of events and when the user
                            was active, but not which event came when
-    no sequence            the affinity alone
+    no sequence            of the affinity alone
 
 "History as a bag" averages over `permutations` random orders (Monte Carlo). It is an order-free
 scorer, not the best one: given the bag, the true posterior over orders is not quite uniform (clicks
@@ -22,8 +22,8 @@ tag, which names the cluster for `tag_fidelity` (80%) of the videos. So the last
 scored with each cluster read from the tag (`--video_tags` data): drawn from P(cluster | tag), counted
 over the world's videos (`ClusterReading.from_tags`), once per Monte Carlo sample and video (a
 video's occurrences in a sample share it), the click probability averaged over the samples. Those
-rows bound what a scorer that reads order and tags, and knows the world's tastes and rules, can
-reach; the rows above also know every cluster.
+rows show what a scorer that reads order and tags, and knows the world's tastes and rules, can
+reach (short of updating a video's cluster on who clicked it); the rows above know every cluster.
 """
 from __future__ import annotations
 
