@@ -15,7 +15,6 @@ samples (candidates) per second.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import logging
@@ -40,7 +39,6 @@ from model.evaluation import EarlyStopping, score_requests, window_batch
 from model.metrics import SELECT_ON, per_task_auc, selection_score
 from model.recommender import HSTURecommender, ModelInputs
 from model.video_tags import VideoTagTable
-from model.weight_average import WeightAverage
 
 log = logging.getLogger(__name__)
 BEIJING = dt.timezone(dt.timedelta(hours=8))
@@ -83,9 +81,6 @@ class TrainParams:
     # Dropout of a fresh model's layers: on the demo-sized logs the holdout loss is best after one or
     # two epochs; 0.3 scored +0.005 click AUC over 0.1 on mixed data and the same on item-level data.
     dropout: float = 0.3
-    # Score the holdout with, and keep, an exponential moving average of the weights at this decay per
-    # step (model/weight_average.py); 0: the last step's weights.
-    weight_average_decay: float = 0.0
     warmup_steps: int = 20  # linear warm-up, then cosine decay to 10% over the planned steps
     max_history_events: int | None = 128  # training crops each visit to its last events (None: whole window)
     # The sliding attention window of a fresh model (HSTUConfig.attention_window): None serves the crop
@@ -288,7 +283,6 @@ def train(
     steps_per_epoch = len(shuffled_batches(dataset, train_idx, params.batch_size, np.random.default_rng(params.seed)))
     total_steps = max(1, params.epochs * steps_per_epoch)
     stopper = EarlyStopping(params.patience)
-    average = WeightAverage(model.parameters(), params.weight_average_decay) if params.weight_average_decay else None
     epochs: list[EpochReport] = []
     step, loss_ema, candidates, requests, step_seconds = 0, math.nan, 0, 0, 0.0
     out_of_time = False
@@ -313,8 +307,6 @@ def train(
             torch.nn.utils.clip_grad_norm_(dense_params, 1.0)
             for opt in optimizers:
                 opt.step()
-            if average is not None:
-                average.update()
             step += 1
             candidates += len(batch.candidate_video_ids)
             requests += batch.batch_size
@@ -326,19 +318,17 @@ def train(
                 out_of_time = True
                 break
         bar.close()
-        with average.swapped_in() if average is not None else contextlib.nullcontext():
-            model.attention_backend = "blocked"  # the holdout is scored exactly as serving on CPU scores it
-            holdout = score_requests(model, dataset, holdout_idx, params.batch_size, desc="holdout")
-            model.attention_backend = TRAINING_ATTENTION
-            holdout_loss = holdout.mean_bce()
-            auc = per_task_auc(holdout.logits, holdout.labels, TASKS)
-            score = selection_score(params.select_on, holdout_loss, auc.get("click"),
-                                    "select epochs on the loss instead (--select_on loss)")
-            stop = stopper.update(epoch + 1, score, model)
+        model.attention_backend = "blocked"  # the holdout is scored exactly as serving on CPU scores it
+        holdout = score_requests(model, dataset, holdout_idx, params.batch_size, desc="holdout")
+        model.attention_backend = TRAINING_ATTENTION
+        holdout_loss = holdout.mean_bce()
+        auc = per_task_auc(holdout.logits, holdout.labels, TASKS)
         epochs.append(EpochReport(epoch + 1, step, loss_ema, holdout_loss, auc, time.perf_counter() - epoch_started))
         tqdm.write(f"epoch {epoch + 1}: train loss {loss_ema:.4f}, holdout loss {holdout_loss:.4f}, "
                    f"holdout click AUC {_fmt(auc.get('click'))}", file=sys.stderr)
-        if stop or out_of_time:
+        score = selection_score(params.select_on, holdout_loss, auc.get("click"),
+                                "select epochs on the loss instead (--select_on loss)")
+        if stopper.update(epoch + 1, score, model) or out_of_time:
             break
     stopper.restore_best(model)
     for table in _sparse_tables(model):
@@ -414,8 +404,6 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--select_on", choices=SELECT_ON, default=d.select_on,
                    help="the holdout score that picks the kept epoch")
     p.add_argument("--video_l2", type=float, default=d.video_l2, help="L2 on the video rows a batch reads")
-    p.add_argument("--weight_average_decay", type=float, default=d.weight_average_decay,
-                   help="score the holdout with (and keep) a moving average of the weights at this decay per step; 0: off")
     p.add_argument("--max_train_seconds", type=float, default=None)
     add_model_arguments(p)
 
