@@ -15,6 +15,9 @@ from ..config import PageLayout
 from .values import ValueCodec, aligned, cast_error, layer_shape
 
 _GROUP_DIMS = (3, 5)  # [k, l, 2, S, H, D]: a group spans the page's tokens and a head's dims
+# Decoded bytes per step of a host decode, so that its second pass reads the first's output from
+# cache (docs/benchmarks.md, "int8 onload in cache-sized steps").
+_DECODE_CHUNK_NBYTES = 4 << 20
 
 
 class Int8Values(ValueCodec):
@@ -69,10 +72,16 @@ class Int8Values(ValueCodec):
             super().decode_into(layout, rows, out)
             return
         scales, lows, codes = self._fields(layout, rows, out.shape[1])
-        out.copy_(codes)  # exact; then in place, as codes.float() * scale: two plain passes beat one mixed-type one
-        out *= scales[:, :, :, None, :, None]
-        if self.affine:
-            out += lows[:, :, :, None, :, None]
+        # Exact copies, then in place, as codes.float() * scale: two plain passes beat one mixed-type
+        # one. A few MiB of pages at a time, so that the second pass finds the first's output in cache.
+        step = max(1, _DECODE_CHUNK_NBYTES // (out[:1].numel() * out.element_size()))
+        for first in range(0, out.shape[0], step):
+            pages = slice(first, first + step)
+            chunk = out[pages]
+            chunk.copy_(codes[pages])
+            chunk *= scales[pages, :, :, None, :, None]
+            if self.affine:
+                chunk += lows[pages, :, :, None, :, None]
 
     def affine_views(self, layout: PageLayout, rows: Tensor, num_layers: int) -> tuple[Tensor, Tensor, Tensor | None]:
         scales, lows, codes = self._fields(layout, rows, num_layers)

@@ -125,16 +125,20 @@ def test_encoding_strided_pages_equals_encoding_dense_ones():
         assert torch.equal(a.data, b.data)
 
 
+@pytest.mark.parametrize("chunk_pages", [None, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_into_strided_output_equals_decode(dtype):
-    """Fixed-width codecs decode each run of layers straight into the output pages (one pass, no
-    temporary): bit-identical to the value codec's own decode."""
+def test_decode_into_strided_output_equals_decode(dtype, chunk_pages, monkeypatch):
+    """Fixed-width codecs decode each run of layers straight into the output pages (no temporary; int8
+    in steps of `chunk_pages` pages, the last one short): bit-identical to the value codec's own decode."""
+    from kvcache.codecs import int8
     from kvcache.codecs.int8 import Int8Values
     from kvcache.codecs.int8_rows import Int8RowValues
     from kvcache.codecs.values import CastValues
 
     layout = PageLayout(3, 2, 8, 4, dtype)
     kv = _normal_pages(3, 7, layout=layout).kv
+    if chunk_pages is not None:  # a page of 2 layers' output: 2 * 2 * 4 * 2 * 8 float32
+        monkeypatch.setattr(int8, "_DECODE_CHUNK_NBYTES", chunk_pages * 2 * 2 * 4 * 2 * 8 * 4)
     for values in [Int8Values(affine=False), Int8Values(affine=True), Int8RowValues(), CastValues("bf16", torch.bfloat16)]:
         rows = torch.empty((3, values.width(layout, 2)), dtype=torch.uint8)
         values.encode_into(layout, kv[:, 1:], rows)
