@@ -200,3 +200,40 @@ def test_trainer_id_row_overrides_reach_the_model(dataset):
     assert (model.config.video_hash_size, model.config.user_hash_size) == (1, 0)
     assert model.user_taste is None and model.embedder.video_bias.weight.shape[0] == 1
 
+
+
+def _candidate_terms(model: HSTURecommender) -> list[torch.Tensor]:
+    return [model.embedder.video_bias.weight, *model.counter_features.parameters(),
+            *(table.weight for table in model.user_taste.tables())]
+
+
+@pytest.mark.parametrize("delay_epochs", [0, 1])
+def test_candidate_terms_wait_their_delay_while_the_layers_train(dataset, delay_epochs):
+    """One step of the first epoch: the layers move either way; the candidate-only terms (zero at
+    init) move only without a delay."""
+    params = TrainParams(preset="tiny", epochs=2, patience=2, batch_size=8, seed=0, max_train_requests=32,
+                         candidate_terms_delay_epochs=delay_epochs, max_train_seconds=1e-9)
+    model = HSTURecommender(config_for_dataset("tiny", dataset), device="cpu")
+    terms_before = [t.detach().clone() for t in _candidate_terms(model)]
+    head_before = torch.nn.utils.parameters_to_vector(model.head.parameters()).detach().clone()
+    model, report = train(dataset, params, model=model)
+    assert report.steps == 1
+    assert not torch.equal(torch.nn.utils.parameters_to_vector(model.head.parameters()), head_before)
+    moved = [not torch.equal(after, before) for after, before in zip(_candidate_terms(model), terms_before)]
+    assert moved == [delay_epochs == 0] * len(moved)
+
+
+def test_candidate_terms_train_after_their_delay(dataset, monkeypatch):
+    """Past the delay the terms train (the last epoch's weights kept, whichever epoch the holdout prefers)."""
+    monkeypatch.setattr(EarlyStopping, "restore_best", lambda self, model: None)
+    params = TrainParams(preset="tiny", epochs=2, patience=2, batch_size=8, seed=0, max_train_requests=32,
+                         candidate_terms_delay_epochs=1)
+    model = HSTURecommender(config_for_dataset("tiny", dataset), device="cpu")
+    terms_before = [t.detach().clone() for t in _candidate_terms(model)]
+    model, _ = train(dataset, params, model=model)
+    assert all(not torch.equal(after, before) for after, before in zip(_candidate_terms(model), terms_before))
+
+
+def test_candidate_terms_delay_must_leave_epochs_to_train():
+    with pytest.raises(ValueError, match="candidate_terms_delay_epochs must be in"):
+        TrainParams(epochs=3, candidate_terms_delay_epochs=3)
