@@ -114,7 +114,7 @@ class TrainParams:
     def __post_init__(self) -> None:
         if self.select_on not in SELECT_ON:
             raise ValueError(f"select_on must be one of {', '.join(SELECT_ON)}, got {self.select_on!r}")
-        if not 0 <= self.candidate_terms_delay_epochs < self.epochs:
+        if self.candidate_terms_delay_epochs < 0 or 0 < self.epochs <= self.candidate_terms_delay_epochs:
             raise ValueError(f"candidate_terms_delay_epochs must be in [0, epochs = {self.epochs}), "
                              f"got {self.candidate_terms_delay_epochs}")
 
@@ -263,15 +263,14 @@ def _schedule(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _group_factor(group: dict, step: int, total: int, params: TrainParams, delay_steps: int) -> float:
-    """A parameter group's learning-rate factor at `step`: the schedule, and for the candidate-only
-    terms nothing until `delay_steps`, then a warm-up of their own into the schedule."""
-    factor = _schedule(step, total, params.warmup_steps)
+def _group_factor(group: dict, factor: float, step: int, delay_steps: int, warmup: int) -> float:
+    """A parameter group's learning-rate factor at `step`, given the schedule's `factor`: the
+    candidate-only terms get nothing until `delay_steps`, then a warm-up of their own into it."""
     if not group.get(CANDIDATE_TERM) or not delay_steps:
         return factor
     if step < delay_steps:
         return 0.0
-    return factor * min(1.0, (step - delay_steps + 1) / max(1, params.warmup_steps))
+    return factor * min(1.0, (step - delay_steps + 1) / max(1, warmup))
 
 
 def train(
@@ -315,9 +314,10 @@ def train(
         model.train()
         for idx in bar:
             step_started = time.perf_counter()
+            factor = _schedule(step, total_steps, params.warmup_steps)
             for opt, lrs in zip(optimizers, base_lrs):
                 for group, lr in zip(opt.param_groups, lrs):
-                    group["lr"] = lr * _group_factor(group, step, total_steps, params, delay_steps)
+                    group["lr"] = lr * _group_factor(group, factor, step, delay_steps, params.warmup_steps)
             batch = window_batch(model, dataset, idx, params.max_history_events, params.history_targets)
             inputs = model.prepare_inputs(batch)
             logits = model.run(inputs)
@@ -465,10 +465,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = _parse_args(argv)
-    params = recipe_params(args, preset=args.preset, split_date=args.split_date,
-                           holdout_fraction=args.holdout_fraction, batch_size=args.batch_size,
-                           max_train_requests=args.max_train_requests, seed=args.seed, device=args.device)
     try:
+        params = recipe_params(args, preset=args.preset, split_date=args.split_date,
+                               holdout_fraction=args.holdout_fraction, batch_size=args.batch_size,
+                               max_train_requests=args.max_train_requests, seed=args.seed, device=args.device)
         dataset = InferenceDataset(args.data_dir)
         model, report = train(dataset, params)  # a model the options cannot build is refused before training
     except (FileNotFoundError, ValueError) as err:

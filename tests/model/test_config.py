@@ -51,6 +51,17 @@ def test_the_trainer_refuses_a_negative_attention_window_before_reading_anything
     assert not checkpoint.exists()
 
 
+def test_the_trainer_refuses_a_delay_that_leaves_no_epoch_to_train(tmp_path, capsys):
+    from model.train import main
+
+    checkpoint = tmp_path / "ckpt"
+    argv = ["--data_dir", str(tmp_path / "absent"), "--checkpoint", str(checkpoint), "--epochs", "2",
+            "--candidate_terms_delay_epochs", "2"]
+    assert main(argv) == 2
+    assert "error: candidate_terms_delay_epochs must be in [0, epochs = 2), got 2" in capsys.readouterr().err
+    assert not checkpoint.exists()
+
+
 def test_recipe_options_reach_the_train_params():
     import argparse
 

@@ -201,7 +201,6 @@ def test_trainer_id_row_overrides_reach_the_model(dataset):
     assert model.user_taste is None and model.embedder.video_bias.weight.shape[0] == 1
 
 
-
 def _candidate_terms(model: HSTURecommender) -> list[torch.Tensor]:
     return [model.embedder.video_bias.weight, *model.counter_features.parameters(),
             *(table.weight for table in model.user_taste.tables())]
@@ -209,8 +208,8 @@ def _candidate_terms(model: HSTURecommender) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("delay_epochs", [0, 1])
 def test_candidate_terms_wait_their_delay_while_the_layers_train(dataset, delay_epochs):
-    """One step of the first epoch: the layers move either way; the candidate-only terms (zero at
-    init) move only without a delay."""
+    """One step of the first epoch: the layers move either way; the candidate-only terms move only
+    without a delay."""
     params = TrainParams(preset="tiny", epochs=2, patience=2, batch_size=8, seed=0, max_train_requests=32,
                          candidate_terms_delay_epochs=delay_epochs, max_train_seconds=1e-9)
     model = HSTURecommender(config_for_dataset("tiny", dataset), device="cpu")
@@ -234,6 +233,7 @@ def test_candidate_terms_train_after_their_delay(dataset, monkeypatch):
     assert all(not torch.equal(after, before) for after, before in zip(_candidate_terms(model), terms_before))
 
 
-def test_candidate_terms_delay_must_leave_epochs_to_train():
-    with pytest.raises(ValueError, match="candidate_terms_delay_epochs must be in"):
-        TrainParams(epochs=3, candidate_terms_delay_epochs=3)
+@pytest.mark.parametrize("delay_epochs", [3, -1])
+def test_candidate_terms_delay_must_leave_epochs_to_train(delay_epochs):
+    with pytest.raises(ValueError, match=r"candidate_terms_delay_epochs must be in \[0, epochs = 3\)"):
+        TrainParams(epochs=3, candidate_terms_delay_epochs=delay_epochs)
