@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = _parse_args(argv)
     try:
+        if not args.baselines_only:  # a bad recipe is refused before the data is read and the baselines fitted
+            recipe_params(args, preset=args.preset, split_date=args.split_date, seed=args.seeds[0])
         # Video counters frozen at the split: like the baselines, the model reads no other user's
         # event from the evaluation period (only each user's own history, as serving does).
         dataset = InferenceDataset(args.data_dir, video_counters_until_ms=date_to_ms(args.split_date))

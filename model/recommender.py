@@ -138,6 +138,12 @@ class HSTURecommender(nn.Module):
     def run_padded(self, inputs: ModelInputs, kv: KVStore | None = None) -> Tensor:
         """`run` over every candidate row of the batch's shape, padding included (what a CUDA graph
         captures: fixed shapes, no host work). -> [shape.candidate_rows, num_tasks] float32"""
+        return self.score(self.encode(inputs, kv), inputs)
+
+    def encode(self, inputs: ModelInputs, kv: KVStore | None = None, history_rows: bool = False) -> Tensor:
+        """The embeddings and HSTU block. -> the candidate rows' states [shape.candidate_rows, d]; with
+        `history_rows`, every row's [T, d], history rows first (the last layer then also attends for
+        the history queries, which only training's next-item loss reads: model/next_item_loss.py)."""
         kv = kv if kv is not None else FullRecompute(inputs.attention.plan.batch.num_users)
         x = self.embedder(inputs.device_inputs, inputs.features).to(self.dtype)  # [T, d]
         query_times = inputs.device_inputs["query_times"]  # [T + 1]
@@ -145,8 +151,14 @@ class HSTURecommender(nn.Module):
         bias_inputs = BiasInputs(query_times, key_times)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, inputs.attention, kv, inputs.device_inputs, history_outputs_needed=i < last,
+            x = layer(x, inputs.attention, kv, inputs.device_inputs, history_outputs_needed=history_rows or i < last,
                       bias_inputs=bias_inputs)
+        return x
+
+    def score(self, candidate_states: Tensor, inputs: ModelInputs) -> Tensor:
+        """Candidate states [shape.candidate_rows, d] -> logits [shape.candidate_rows, num_tasks] float32:
+        the head, plus the candidate-only terms."""
+        x = candidate_states
         logits = self.head(self.output_norm(x)) + self.embedder.candidate_bias(inputs.device_inputs).to(x.dtype)
         if self.user_taste is not None:
             logits = logits + self.user_taste(inputs.device_inputs).to(x.dtype)

@@ -62,6 +62,18 @@ def test_the_trainer_refuses_a_delay_that_leaves_no_epoch_to_train(tmp_path, cap
     assert not checkpoint.exists()
 
 
+@pytest.mark.parametrize("option", [("--candidate_terms_delay_epochs", "5"), ("--next_item_loss_weight", "-1")])
+def test_the_quality_benchmark_refuses_a_bad_recipe_with_an_error_line(tmp_path, capsys, option):
+    from benchmark.quality_benchmark import main
+
+    checkpoint, output = tmp_path / "ckpt", tmp_path / "q.json"
+    argv = ["--data_dir", str(tmp_path / "absent"), "--checkpoint", str(checkpoint), "--retrain", "--epochs", "3",
+            *option, "--output", str(output)]
+    assert main(argv) == 2
+    assert f"error: {option[0][2:]} must be" in capsys.readouterr().err
+    assert not checkpoint.exists() and not output.exists()
+
+
 def test_recipe_options_reach_the_train_params():
     import argparse
 
