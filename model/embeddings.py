@@ -85,6 +85,15 @@ class TokenEmbedder(nn.Module):
         """-> [shape.candidate_rows, num_tasks]: each candidate row's video offset (padding rows read row 0)."""
         return self.video_bias(device_inputs["candidate_video_ids"])
 
+    def item_embeddings(self, video_rows: Tensor, tag_rows: Tensor | None = None) -> Tensor:
+        """The item part of a token's embedding: hashed video rows [U] (and their tag rows [U], for a
+        model with tags) -> [U, hidden_dim], the video row plus the tag row."""
+        tables = self.collection.embeddings
+        items = tables["table_video_id"](video_rows)
+        if tag_rows is not None:
+            items = items + tables[f"table_{VIDEO_TAG}"](tag_rows)
+        return items
+
     def forward(self, device_inputs: Mapping[str, Tensor], features: TokenFeatures) -> Tensor:
         """-> x [shape.num_rows, hidden_dim] float32: token embeddings in the row layout of model/features.py
         (padding rows are zero)."""

@@ -23,6 +23,7 @@ last layer. The candidate logits are the same with or without it (`HSTURecommend
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,9 +32,13 @@ from torch import Tensor, nn
 
 from data.batch import VisitBatch
 from data.jagged import row_ids_and_ranks
+from data.schema import TASKS
 from model.features import VIDEO_TAG, TokenFeatures
 
-CLICK_BIT = 1  # bit 0 of action_weights is the click (data/schema.py: task t is bit t)
+if TYPE_CHECKING:
+    from model.recommender import HSTURecommender
+
+CLICK_BIT = 1 << TASKS.index("click")  # task t is bit t of action_weights (data/schema.py)
 # The softmax temperature of the cosine scores: 1/τ = 20 lets a cosine margin of ~0.2 reach the
 # probabilities' full range, where τ = 1 would leave every item near uniform.
 TEMPERATURE = 0.05
@@ -78,16 +83,15 @@ class NextItemLoss(nn.Module):
         super().__init__()
         self.projection = nn.Linear(hidden_dim, hidden_dim)
 
-    def forward(self, model: nn.Module, states: Tensor, targets: NextItemTargets) -> Tensor:
+    def forward(self, model: HSTURecommender, states: Tensor, targets: NextItemTargets) -> Tensor:
         """`states` [T, d]: every row of the layers' output (`model.encode(..., history_rows=True)`).
         -> the mean cross-entropy over the batch's pairs (a zero that keeps the graph when it has none)."""
         if targets.num_pairs == 0:
             return states.sum() * 0.0
         device = states.device
-        tables = model.embedder.collection.embeddings
-        items = tables["table_video_id"](torch.from_numpy(targets.item_video_rows).to(device))  # [U, d]
-        if targets.item_tag_rows is not None:
-            items = items + tables[f"table_{VIDEO_TAG}"](torch.from_numpy(targets.item_tag_rows).to(device))
+        tag_rows = targets.item_tag_rows
+        items = model.embedder.item_embeddings(torch.from_numpy(targets.item_video_rows).to(device),
+                                               None if tag_rows is None else torch.from_numpy(tag_rows).to(device))
         sources = states[torch.from_numpy(targets.source_rows).to(device)]  # [P, d]
         queries = F.normalize(self.projection(sources), dim=-1)
         scores = queries @ F.normalize(items, dim=-1).T / TEMPERATURE  # [P, U]

@@ -215,10 +215,10 @@ def _optimizers(model: HSTURecommender, params: TrainParams, extra: nn.Module | 
     ], layers + counters
 
 
-def _losses(model: HSTURecommender, batch: VisitBatch, next_item: NextItemLoss | None,
-            weight: float) -> tuple[ModelInputs, Tensor, Tensor]:
-    """A step's planned inputs, its mean BCE over the candidates' tasks, and its weighted next-item loss
-    (a zero without one)."""
+def _losses(model: HSTURecommender, batch: VisitBatch,
+            next_item: NextItemLoss | None) -> tuple[ModelInputs, Tensor, Tensor]:
+    """A step's planned inputs, its mean BCE over the candidates' tasks, and its next-item loss
+    (a zero without one), unweighted."""
     inputs = model.prepare_inputs(batch)
     labels = torch.from_numpy(batch.labels).to(model.device)
     if next_item is None:
@@ -226,7 +226,7 @@ def _losses(model: HSTURecommender, batch: VisitBatch, next_item: NextItemLoss |
         return inputs, bce, bce.new_zeros(())
     states = model.encode(inputs, history_rows=True)  # [T, d]
     logits = model.score(states[inputs.attention.plan.num_history_rows:], inputs)[: inputs.num_candidates]
-    auxiliary = weight * next_item(model, states, NextItemTargets.of(batch, inputs.features))
+    auxiliary = next_item(model, states, NextItemTargets.of(batch, inputs.features))
     return inputs, F.binary_cross_entropy_with_logits(logits, labels), auxiliary
 
 
@@ -346,10 +346,10 @@ def train(
                 for group, lr in zip(opt.param_groups, lrs):
                     group["lr"] = lr * _group_factor(group, factor, step, delay_steps, params.warmup_steps)
             batch = window_batch(model, dataset, idx, params.max_history_events, params.history_targets)
-            inputs, bce, auxiliary = _losses(model, batch, next_item, params.next_item_loss_weight)
+            inputs, bce, next_item_loss = _losses(model, batch, next_item)
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
-            (bce + auxiliary + _row_penalty(model, inputs, params)).backward()
+            (bce + params.next_item_loss_weight * next_item_loss + _row_penalty(model, inputs, params)).backward()
             torch.nn.utils.clip_grad_norm_(dense_params, 1.0)
             for opt in optimizers:
                 opt.step()
@@ -357,12 +357,12 @@ def train(
             candidates += len(batch.candidate_video_ids)
             requests += batch.batch_size
             step_seconds += time.perf_counter() - step_started
-            loss, next_item_loss = torch.stack([bce, auxiliary]).tolist()  # the step's one read-back
+            loss, next_item_value = torch.stack([bce, next_item_loss]).tolist()  # the step's one read-back
             loss_ema = loss if math.isnan(loss_ema) else 0.95 * loss_ema + 0.05 * loss
-            next_item_ema = next_item_loss if math.isnan(next_item_ema) else 0.95 * next_item_ema + 0.05 * next_item_loss
+            next_item_ema = next_item_value if math.isnan(next_item_ema) else 0.95 * next_item_ema + 0.05 * next_item_value
             postfix = {"loss": f"{loss_ema:.4f}", "cand_per_s": f"{candidates / step_seconds:.0f}"}
             if next_item is not None:
-                postfix["next_item"] = f"{next_item_ema / params.next_item_loss_weight:.3f}"
+                postfix["next_item"] = f"{next_item_ema:.3f}"
             bar.set_postfix(postfix)
             if params.max_train_seconds and time.perf_counter() - started > params.max_train_seconds:
                 out_of_time = True
