@@ -1,4 +1,4 @@
-"""How far can a lossless codec shrink a trained model's K/V? Entropy against what zstd achieves.
+"""How far can a lossless codec shrink a trained model's K/V? Entropy against what zstd and zstd-channel achieve.
 
     python benchmark/kv_entropy.py --data_dir artifacts/synthetic/processed \\
         --checkpoint artifacts/synthetic/checkpoint --max_requests 300 --output kv_entropy.json
@@ -12,10 +12,13 @@ stores), it reports:
 - the order-0 entropy of each value's sign and exponent, and of its leading mantissa byte; the
   remaining mantissa bits count as incompressible. Bits per value over that sum bounds what a coder
   of independent values can reach (`order0_bound`);
-- what the `zstd` codec (byte-plane shuffle, zstd per page) stores, per page as the tiers store it.
+- the same entropies given each value's channel (layer, K or V, head, dim), which a coder can use by
+  storing a reference per channel and page (`channel_bound`; the references' bytes not counted);
+- what the `zstd` codec (byte-plane shuffle, zstd per page) and the `zstd-channel` codec (sign and exponent
+  against each channel's median, kvcache/codecs/channel_zstd.py) store, per page as the tiers store it.
 
-A lossless ratio above the bound needs structure across values (neighbouring tokens, heads or
-layers), which per-page zstd finds little of in trained K/V.
+A ratio above the order-0 bound needs structure across values: trained K/V have it across channels
+(each has its scale and sign), which per-page zstd cannot see and `zstd-channel` codes.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,25 +42,67 @@ from model.inference import InferenceSession
 from model.replay import replay
 from model.train import DEFAULT_SPLIT_DATE, date_to_ms
 
+CODECS = ("zstd", "zstd-channel")  # the lossless codecs measured against the bounds
+
 
 def entropy_bits(values: np.ndarray) -> float:
     counts = np.bincount(values.ravel())
-    p = counts[counts > 0] / values.size
+    return entropy_bits_of_counts(counts[counts > 0])
+
+
+def entropy_bits_of_counts(counts: np.ndarray) -> float:
+    p = counts / counts.sum()
     return float(-(p * np.log2(p)).sum())
+
+
+def conditional_entropy_bits(values: np.ndarray, context: np.ndarray) -> float:
+    """H(values | context) in bits, from the joint and the context's counts (both non-negative int64)."""
+    joint = np.unique(context.ravel() * (int(values.max()) + 1) + values.ravel(), return_counts=True)[1]
+    return entropy_bits_of_counts(joint) - entropy_bits_of_counts(np.unique(context, return_counts=True)[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fields:
+    """A float32 or bf16 tensor's values split as the bounds count them (int64 arrays of its shape)."""
+
+    bits: int  # of a value
+    sign_exponent: np.ndarray  # the top 9 bits
+    lead: np.ndarray  # the leading mantissa bits, at most 8
+    leading: int  # how many those are
+    rest: int  # the other mantissa bits, counted as incompressible
+
+    @classmethod
+    def of(cls, values: torch.Tensor) -> _Fields:
+        bits = values.element_size() * 8
+        words = values.contiguous().view(torch.int32 if bits == 32 else torch.int16).numpy().astype(np.int64)
+        words &= (1 << bits) - 1
+        mantissa_bits = bits - 9
+        leading = min(8, mantissa_bits)
+        return cls(bits, words >> mantissa_bits, (words >> (mantissa_bits - leading)) & ((1 << leading) - 1),
+                   leading, mantissa_bits - leading)
 
 
 def order0_bound(values: torch.Tensor) -> dict[str, float]:
     """Entropy of sign + exponent and of the leading mantissa byte of float32 or bf16 values."""
-    bits = values.element_size() * 8
-    words = values.contiguous().view(torch.int32 if bits == 32 else torch.int16).numpy().astype(np.int64)
-    words &= (1 << bits) - 1
-    mantissa_bits = bits - 9
-    sign_exponent = entropy_bits(words >> mantissa_bits)
-    leading = min(8, mantissa_bits)
-    lead_mantissa = entropy_bits((words >> (mantissa_bits - leading)) & ((1 << leading) - 1))
-    bits_per_value = sign_exponent + lead_mantissa + (mantissa_bits - leading)
-    return {"bits": bits, "sign_exponent_bits": sign_exponent, "leading_mantissa_bits": lead_mantissa,
-            "leading_mantissa_width": leading, "bits_per_value": bits_per_value, "order0_bound": bits / bits_per_value}
+    f = _Fields.of(values)
+    sign_exponent, lead_mantissa = entropy_bits(f.sign_exponent), entropy_bits(f.lead)
+    bits_per_value = sign_exponent + lead_mantissa + f.rest
+    return {"bits": f.bits, "sign_exponent_bits": sign_exponent, "leading_mantissa_bits": lead_mantissa,
+            "leading_mantissa_width": f.leading, "bits_per_value": bits_per_value,
+            "order0_bound": f.bits / bits_per_value}
+
+
+def channel_bound(values: torch.Tensor) -> dict[str, float]:
+    """`order0_bound`'s entropies given each value's channel: values [k, L, 2, S, H, D] float32 or bf16."""
+    f = _Fields.of(values)
+    _, num_layers, two, _, heads, dim = values.shape
+    channel = np.arange(num_layers * two * heads * dim).reshape(num_layers, two, 1, heads, dim)
+    channel = np.broadcast_to(channel[None], f.sign_exponent.shape)
+    se_bits = conditional_entropy_bits(f.sign_exponent, channel)
+    lead_bits = conditional_entropy_bits(f.lead, channel * 512 + f.sign_exponent)
+    bits_per_value = se_bits + lead_bits + f.rest
+    return {"channel_sign_exponent_bits": se_bits, "channel_leading_mantissa_bits": lead_bits,
+            "channel_bits_per_value": bits_per_value, "channel_bound": f.bits / bits_per_value}
 
 
 def full_pages(cache: KVCacheManager, user_ids: np.ndarray) -> torch.Tensor:
@@ -71,10 +117,22 @@ def full_pages(cache: KVCacheManager, user_ids: np.ndarray) -> torch.Tensor:
     return torch.cat(pages)
 
 
-def zstd_ratio(layout: PageLayout, kv: torch.Tensor) -> float:
-    """Raw page bytes over what the zstd codec stores for these pages (times zero: they are not the question)."""
+def codec_stats(codec: str, layout: PageLayout, kv: torch.Tensor) -> dict[str, float]:
+    """What `codec` stores for these pages (times zero: they are not the question), and how fast:
+    {codec}_ratio (raw page bytes over stored bytes), {codec}_encode_mb_s and {codec}_decode_mb_s
+    (raw megabytes a second, one pass each, this process's torch threads)."""
     pages = PageData(kv, torch.zeros(kv.shape[0], layout.page_size, dtype=torch.int64))
-    return kv.shape[0] * layout.page_nbytes / get_codec("zstd").encode(layout, pages).nbytes
+    coder, nbytes = get_codec(codec), kv.shape[0] * layout.page_nbytes
+    started = time.perf_counter()
+    encoded = coder.encode(layout, pages)
+    encoded_s = time.perf_counter() - started
+    started = time.perf_counter()
+    decoded = coder.decode(layout, encoded)
+    decoded_s = time.perf_counter() - started
+    if not torch.equal(decoded.kv.view(torch.uint8), kv.contiguous().view(torch.uint8)):
+        raise AssertionError(f"codec {codec} did not give back the pages it was given")
+    return {f"{codec}_ratio": nbytes / encoded.nbytes, f"{codec}_encode_mb_s": nbytes / encoded_s / 1e6,
+            f"{codec}_decode_mb_s": nbytes / decoded_s / 1e6}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,16 +160,22 @@ def main(argv: list[str] | None = None) -> int:
         layout = cache.config.page_layout
     rows = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        rows[name] = {**order0_bound(kv.to(dtype)),
-                      "zstd_ratio": zstd_ratio(dataclasses.replace(layout, dtype=dtype), kv.to(dtype))}
+        typed = dataclasses.replace(layout, dtype=dtype)
+        rows[name] = {**order0_bound(kv.to(dtype)), **channel_bound(kv.to(dtype)),
+                      **{key: v for codec in CODECS for key, v in codec_stats(codec, typed, kv.to(dtype)).items()}}
     report = {"checkpoint": args.checkpoint, "num_requests": len(indices), "full_pages": kv.shape[0],
               "tokens": kv.shape[0] * layout.page_size, "dtypes": rows}
     Path(args.output).write_text(json.dumps(report, indent=2))
     print(f"{kv.shape[0]} full pages ({report['tokens']} tokens) of {args.checkpoint}")
-    print(f"{'K/V dtype':<10} {'H(sign+exp)':>11} {'H(lead mant.)':>13} {'bits/value':>10} {'order-0 bound':>13} {'zstd':>6}")
+    print(f"{'K/V dtype':<10} {'H(sign+exp)':>11} {'H(lead mant.)':>13} {'bits/value':>10} {'order-0 bound':>13} "
+          f"{'given channel':>13} {'channel bound':>13} {'zstd':>6} {'zstd-channel':>12}")
     for name, r in rows.items():
         print(f"{name:<10} {r['sign_exponent_bits']:>11.2f} {r['leading_mantissa_bits']:>8.2f} of {r['leading_mantissa_width']}"
-              f" {r['bits_per_value']:>10.2f} {r['order0_bound']:>12.3f}x {r['zstd_ratio']:>5.3f}x")
+              f" {r['bits_per_value']:>10.2f} {r['order0_bound']:>12.3f}x {r['channel_bits_per_value']:>13.2f}"
+              f" {r['channel_bound']:>12.3f}x {r['zstd_ratio']:>5.3f}x {r['zstd-channel_ratio']:>11.3f}x")
+    for name, r in rows.items():
+        speeds = (f"{c} encode {r[f'{c}_encode_mb_s']:.0f} / decode {r[f'{c}_decode_mb_s']:.0f} MB/s" for c in CODECS)
+        print(f"{name}: " + ", ".join(speeds))
     return 0
 
 

@@ -6,6 +6,7 @@ Specs (`name` or `name:key=value,...`; `get_codec(s).spec` is the canonical form
 | --- | --- | --- | --- |
 | `raw` | the page blob as it is (the default) | 4 | yes |
 | `zstd[:level=3,shuffle=1]` | byte-plane shuffle (`shuffle=0`: none), then zstd at `level` (1..19) | ~3.2 (trained) | yes |
+| `zstd-channel` | fp32 / bf16: sign and exponent against each channel's, then zstd (`channel_zstd.py`) | ~3.05 (trained) | yes |
 | `zstd:values=bf16` (or `fp16`) | the cast, then the same: exact on top of the cast | ~1.2 (trained) | no |
 | `bf16`, `fp16` | a down-cast (fp16 clamps at +-65504) | 2 | no |
 | `int8[:mode=sym]` | 8-bit codes, a float32 scale per page, layer, K/V and head; `mode=affine` adds a minimum | ~1 | no |
@@ -28,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from .base import CodecSpec, CodecSpecError, KVCodec
+from .channel_zstd import ChannelZstdCodec
 from .fixed_width import FixedWidthCodec
 from .int8 import Int8Values
 from .int8_rows import Int8RowValues
@@ -142,6 +144,7 @@ def _zstd(params: dict[str, str]) -> KVCodec:
 
 register_codec("raw", lambda params: RawCodec())
 register_codec("zstd", _zstd, frozenset({"level", "shuffle", "values"}))
+register_codec("zstd-channel", lambda params: ChannelZstdCodec())
 register_codec("bf16", lambda params: FixedWidthCodec("bf16", [(0, _VALUE_CODECS["bf16"]())]))
 register_codec("fp16", lambda params: FixedWidthCodec("fp16", [(0, _VALUE_CODECS["fp16"]())]))
 register_codec("int8", _int8, frozenset({"group", "mode"}))

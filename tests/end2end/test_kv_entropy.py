@@ -33,6 +33,19 @@ def test_order0_bound_of_known_distributions(kv_entropy):
     assert bf16["order0_bound"] == pytest.approx(2)
 
 
+def test_channel_bound_sees_what_each_channel_holds(kv_entropy):
+    """Two channels, one always +1.5 x 2^e and one -1.5 x 2^(e+3) (e uniform over 4 exponents per page):
+    over all values the sign and exponent are spread, given the channel only e remains (2 bits)."""
+    g = torch.Generator().manual_seed(0)
+    e = torch.randint(0, 4, (8, 1, 1, 64, 1, 1), generator=g).float()  # [k, L, 2, S, H, D] with 2 channels below
+    kv = torch.cat([1.5 * torch.exp2(e), -1.5 * torch.exp2(e + 3)], dim=2)  # K: channel 0, V: channel 1
+    r = kv_entropy.channel_bound(kv)
+    assert r["channel_sign_exponent_bits"] == pytest.approx(2, abs=0.01)
+    assert r["channel_leading_mantissa_bits"] == pytest.approx(0)
+    assert r["channel_bound"] == pytest.approx(32 / (2 + 15), rel=1e-3)
+    assert kv_entropy.order0_bound(kv)["sign_exponent_bits"] > 2.9  # 8 sign-exponent pairs, near-uniform
+
+
 def test_report_on_tiny_data(kv_entropy, tmp_path):
     processed = build_processed(tmp_path / "data")
     out = tmp_path / "entropy.json"
@@ -43,3 +56,6 @@ def test_report_on_tiny_data(kv_entropy, tmp_path):
     fp32, bf16 = report["dtypes"]["float32"], report["dtypes"]["bfloat16"]
     assert 1 < fp32["order0_bound"] < bf16["order0_bound"]
     assert fp32["zstd_ratio"] > 1 and bf16["zstd_ratio"] > fp32["zstd_ratio"]
+    for row in (fp32, bf16):  # the channel is context: never more bits than without it
+        assert row["channel_bits_per_value"] <= row["bits_per_value"] + 1e-9 and row["zstd-channel_ratio"] > 1
+        assert all(row[f"{codec}_{way}_mb_s"] > 0 for codec in ("zstd", "zstd-channel") for way in ("encode", "decode"))

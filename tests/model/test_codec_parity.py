@@ -47,12 +47,13 @@ def returning_logits(model, dataset, tmp_path=None, count=60, **tiers):
     return torch.cat([r.logits.flatten() for r in results])
 
 
+@pytest.mark.parametrize("codec", ["zstd", "zstd-channel"])
 @pytest.mark.parametrize("tier", ["memory", "disk"])
-def test_lossless_codec_logits_equal_raw_bit_for_bit(world, tmp_path, tier):
+def test_lossless_codec_logits_equal_raw_bit_for_bit(world, tmp_path, tier, codec):
     dataset, model, raw = world
     extra = {"persistent_dir": str(tmp_path / "kv")} if tier == "disk" else {}
-    zstd = returning_logits(model, dataset, kv_codec="zstd", **extra)
-    assert torch.equal(raw, zstd)
+    lossless = returning_logits(model, dataset, kv_codec=codec, **extra)
+    assert torch.equal(raw, lossless)
 
 
 @pytest.mark.parametrize("codec", ["bf16", "int8", "mixed"])

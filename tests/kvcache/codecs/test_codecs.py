@@ -9,7 +9,7 @@ from kvcache.codecs import CodecSpecError, EncodedPages, codec_names, get_codec
 from kvcache.page_data import PageData, empty_pages
 
 LAYOUT = PageLayout(num_layers=3, num_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
-LOSSLESS = ["raw", "zstd", "zstd:shuffle=0", "zstd:level=1"]
+LOSSLESS = ["raw", "zstd", "zstd:shuffle=0", "zstd:level=1", "zstd-channel"]
 LOSSY = ["bf16", "fp16", "int8", "int8:mode=affine", "int8:group=token", "mixed", "mixed:deep=int8token",
          "mixed:shallow=raw,shallow_layers=2,deep=int8affine",
          "sparse:keep=50,values=int8", "zstd:values=bf16", "zstd:values=fp16,shuffle=0"]
@@ -24,7 +24,7 @@ def _normal_pages(n, seed, scale=1.0, layout=LAYOUT):
 
 
 def test_names_and_canonical_specs():
-    assert codec_names() == ["bf16", "fp16", "int8", "mixed", "raw", "sparse", "zstd"]
+    assert codec_names() == ["bf16", "fp16", "int8", "mixed", "raw", "sparse", "zstd", "zstd-channel"]
     assert get_codec("zstd").spec == "zstd:level=3,shuffle=1"  # what tiers stored before `values` existed
     assert get_codec("zstd:values=raw").spec == "zstd:level=3,shuffle=1"
     assert get_codec("zstd:values=bf16").spec == "zstd:level=3,shuffle=1,values=bf16"
@@ -168,3 +168,67 @@ def test_zstd_on_a_cast_takes_the_exponent_bytes_the_cast_keeps():
     pages = _normal_pages(2, 0, layout=layout)
     sizes = {s: int(get_codec(s).encode(layout, pages).sizes().sum()) for s in ["bf16", "zstd:values=bf16", "zstd"]}
     assert sizes["zstd:values=bf16"] < sizes["bf16"] / 1.25 and sizes["zstd:values=bf16"] < sizes["zstd"] / 2
+
+
+def _channel_scaled_pages(n: int, seed: int, layout: PageLayout) -> PageData:
+    """Pages whose channels (layer, K/V, head, dim) each have a scale and a sign of their own, as trained
+    K/V do: log-uniform scales over 2^-8 .. 2^8, and 90% of a channel's values of its sign."""
+    g = torch.Generator().manual_seed(seed)
+    pages = empty_pages(layout, n)
+    channel = (1, *layout.page_shape[:2], 1, *layout.page_shape[3:])
+    scale = torch.exp2(torch.rand(channel, generator=g) * 16 - 8)
+    sign = torch.where(torch.rand(channel, generator=g) < 0.5, -1.0, 1.0)
+    flips = torch.where(torch.rand(pages.kv.shape, generator=g) < 0.1, -1.0, 1.0)
+    pages.kv.copy_((torch.randn(pages.kv.shape, generator=g).abs() + 0.5) * scale * sign * flips)
+    pages.times.copy_(torch.randint(0, 1 << 41, pages.times.shape, generator=g))
+    return pages
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zstd_channel_is_exact_and_smaller_than_zstd_where_channels_differ(dtype):
+    """`zstd-channel` codes each value's sign and exponent against its channel's: on pages whose channels differ in
+    scale and sign it stores fewer bytes than byte-shuffled zstd, and decodes them bit for bit."""
+    layout = PageLayout(3, 4, 16, 32, dtype)
+    pages = _channel_scaled_pages(4, 0, layout)
+    channel, zstd = get_codec("zstd-channel"), get_codec("zstd")
+    encoded = channel.encode(layout, pages)
+    assert pages_equal(channel.decode(layout, encoded), pages)
+    assert encoded.nbytes < zstd.encode(layout, pages).nbytes / 1.05
+
+
+def test_zstd_channel_round_trips_odd_channel_counts_and_one_page_at_a_time():
+    """18 channels (the reference signs fill part of a byte); pages encoded together or apart decode alike."""
+    layout = PageLayout(3, 1, 3, 5, torch.float32)
+    pages, codec = host_pages(layout, 3, seed=4), get_codec("zstd-channel")
+    together = codec.decode(layout, codec.encode(layout, pages))
+    apart = [codec.decode(layout, codec.encode(layout, pages[i : i + 1])) for i in range(3)]
+    assert pages_equal(together, pages)
+    assert all(pages_equal(a, pages[i : i + 1]) for i, a in enumerate(apart))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zstd_channel_keeps_far_exponents_zeros_and_non_finite_values_bit_for_bit(dtype):
+    """Exponents far from their channel's median (a code's escape, stored aside), signed zeros,
+    subnormals, infinities and NaN payloads all come back as the same bits."""
+    layout = PageLayout(2, 2, 8, 16, dtype)
+    pages = _channel_scaled_pages(3, 5, layout)
+    flat = pages.kv.view(-1)
+    g = torch.Generator().manual_seed(9)
+    picks = torch.randperm(flat.numel(), generator=g)[:400]
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-39, 3e38, 1e-30, 7e20])
+    flat[picks] = specials.to(dtype).repeat(40)
+    codec = get_codec("zstd-channel")
+    decoded = codec.decode(layout, codec.encode(layout, pages))
+    assert torch.equal(decoded.kv.contiguous().view(torch.uint8), pages.kv.contiguous().view(torch.uint8))
+    assert torch.equal(decoded.times, pages.times)
+
+
+def test_zstd_channel_refuses_other_dtypes_and_damaged_pages_by_name():
+    codec = get_codec("zstd-channel")
+    fp16 = PageLayout(3, 2, 8, 4, torch.float16)
+    with pytest.raises(ValueError, match=r"float32 or bfloat16 K/V, not torch\.float16"):
+        codec.encode(fp16, _normal_pages(1, 0, layout=fp16))
+    encoded = codec.encode(LAYOUT, _normal_pages(2, 0))
+    cut = EncodedPages(encoded.spec, encoded.data[:-1], encoded.offsets - [0, 0, 1])  # page 1 loses a byte
+    with pytest.raises(ValueError, match=r"Codec zstd-channel: page 1 is not this codec's encoding"):
+        codec.decode(LAYOUT, cut)
