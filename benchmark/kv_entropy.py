@@ -101,8 +101,14 @@ def channel_bound(values: torch.Tensor) -> dict[str, float]:
     se_bits = conditional_entropy_bits(f.sign_exponent, channel)
     lead_bits = conditional_entropy_bits(f.lead, channel * 512 + f.sign_exponent)
     bits_per_value = se_bits + lead_bits + f.rest
+    # what the previous token of the page adds to the channel (tokens 1.. of each page): a coder
+    # of neighbouring tokens could take this much more from the sign and exponent
+    se, before = f.sign_exponent[:, :, :, 1:], f.sign_exponent[:, :, :, :-1]
+    here = channel[:, :, :, 1:]
     return {"channel_sign_exponent_bits": se_bits, "channel_leading_mantissa_bits": lead_bits,
-            "channel_bits_per_value": bits_per_value, "channel_bound": f.bits / bits_per_value}
+            "channel_bits_per_value": bits_per_value, "channel_bound": f.bits / bits_per_value,
+            "channel_sign_exponent_bits_tokens_after_first": conditional_entropy_bits(se, here),
+            "channel_previous_token_sign_exponent_bits": conditional_entropy_bits(se, here * 512 + before)}
 
 
 def full_pages(cache: KVCacheManager, user_ids: np.ndarray) -> torch.Tensor:

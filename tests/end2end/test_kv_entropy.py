@@ -58,4 +58,5 @@ def test_report_on_tiny_data(kv_entropy, tmp_path):
     assert fp32["zstd_ratio"] > 1 and bf16["zstd_ratio"] > fp32["zstd_ratio"]
     for row in (fp32, bf16):  # the channel is context: never more bits than without it
         assert row["channel_bits_per_value"] <= row["bits_per_value"] + 1e-9 and row["zstd-channel_ratio"] > 1
+        assert row["channel_previous_token_sign_exponent_bits"] <= row["channel_sign_exponent_bits_tokens_after_first"] + 1e-9
         assert all(row[f"{codec}_{way}_mb_s"] > 0 for codec in ("zstd", "zstd-channel") for way in ("encode", "decode"))
