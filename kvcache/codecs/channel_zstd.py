@@ -65,9 +65,14 @@ class ChannelZstdCodec(KVCodec):
         return EncodedPages.from_rows(self.spec, rows)
 
     def decode(self, layout: PageLayout, encoded: EncodedPages) -> PageData:
+        out = empty_pages(layout, encoded.num_pages)
+        self.decode_into(layout, encoded, out)
+        return out
+
+    def decode_into(self, layout: PageLayout, encoded: EncodedPages, out: PageData) -> None:
+        """Each chunk of pages joined straight into `out` (a pool's pages on an onload): no decoded copy."""
         self.check_spec(encoded)
         planes = _Planes(layout, self.spec)
-        out = empty_pages(layout, encoded.num_pages)
         rows = encoded.rows()
         for first in range(0, len(rows), _CHUNK_PAGES):
             chunk = rows[first : first + _CHUNK_PAGES]
@@ -85,7 +90,6 @@ class ChannelZstdCodec(KVCodec):
             pages = slice(first, first + k)
             out.kv[pages] = planes.join(codes, far, mantissa, low, refs, signs, first)
             out.times[pages] = torch.from_numpy(times.view("<i8"))
-        return out
 
     def _compress(self, part: np.ndarray) -> np.ndarray:
         return np.frombuffer(self._compressor.compress(part.tobytes()), dtype=np.uint8)
