@@ -25,7 +25,7 @@ GPU_REPORT_ARGS ?=
 # (docs/install.md, "The first GPU run"); empty: the venv.
 GPU_KIT     ?=
 
-.PHONY: demo test venv clean check-gpu-install gpu-report
+.PHONY: demo test venv clean check-gpu-install gpu-report gpu-kit
 
 venv: $(STAMP)
 
@@ -66,6 +66,11 @@ else
 gpu-report:
 	bash -c 'source $(GPU_KIT)/setup.sh && python3 benchmark/gpu_report.py --output $(REPORT_DIR) $(if $(DRY),--dry) $(GPU_REPORT_ARGS)'
 endif
+
+# The shared GPU kit plus the CPython 3.12 wheels of what the project added since it was made
+# (tools/gpu_kit.py), in .gpu-kit/: for `make gpu-report GPU_KIT=.gpu-kit` on a machine without an index.
+gpu-kit: $(STAMP)
+	$(PY) tools/gpu_kit.py --out .gpu-kit
 
 demo: $(STAMP)
 ifeq ($(DATA_DIR),)

@@ -67,7 +67,9 @@ def plan_steps(out: Path, work: Path, dry: bool) -> list[Step]:
     py = sys.executable
     device, dtype = ("cpu", "float32") if dry else ("cuda", "bfloat16")
     data, raw = work / "processed", work / "raw"
-    tests = [py, "-m", "pytest", "-q"]
+    # The deploy tests whose ids name cuda check manifests, not the device (CI runs them); a module that
+    # fails to import (a package the machine lacks) must not stop the CUDA tests of the others.
+    tests = [py, "-m", "pytest", "-q", "--ignore=tests/deploy", "--continue-on-collection-errors"]
     if dry:
         tests_commands = [[*tests, "--collect-only", *KERNEL_TESTS], [*tests, "--collect-only", "tests", "-k", "cuda"]]
         block = ["--preset", "tiny", "--histories", "64", "--batches", "1", "2", "--new_tokens", "8",

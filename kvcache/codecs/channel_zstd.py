@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import zstandard
 from torch import Tensor
 
 from ..config import PageLayout
 from ..page_data import PageData, empty_pages
 from .base import EncodedPages, KVCodec
+from .zstd_contexts import zstd_contexts
 
 _DTYPES = (torch.float32, torch.bfloat16)  # sign + 8 exponent bits in their top two bytes
 _MANTISSA_BITS = 7  # the leading mantissa bits: those in the exponent's second byte
@@ -43,8 +43,7 @@ class ChannelZstdCodec(KVCodec):
     lossless = True
 
     def __init__(self, level: int = 3) -> None:
-        self._compressor = zstandard.ZstdCompressor(level=level)
-        self._decompressor = zstandard.ZstdDecompressor()
+        self._zstd = zstd_contexts("zstd-channel", level)
 
     @property
     def spec(self) -> str:
@@ -92,7 +91,7 @@ class ChannelZstdCodec(KVCodec):
             out.times[pages] = torch.from_numpy(times.view("<i8"))
 
     def _compress(self, part: np.ndarray) -> np.ndarray:
-        return np.frombuffer(self._compressor.compress(part.tobytes()), dtype=np.uint8)
+        return np.frombuffer(self._zstd.compressor.compress(part.tobytes()), dtype=np.uint8)
 
     def _page_parts(self, planes: _Planes, index: int, row: np.ndarray) -> tuple[np.ndarray, ...]:
         """-> (header with the far distances, codes, mantissa bytes, low bytes) of one page's bytes."""
@@ -107,13 +106,13 @@ class ChannelZstdCodec(KVCodec):
             parts = [self._decompress(row[a:b], limit) for a, b, limit in zip(ends[:-1], ends[1:], limits)]
             if len(parts[0]) < planes.header_nbytes or [len(p) for p in parts[1:]] != list(limits[1:]):
                 raise ValueError("its parts decompress to sizes the layout does not have")
-        except (ValueError, zstandard.ZstdError) as err:
+        except (ValueError, self._zstd.error) as err:
             raise ValueError(f"Codec {self.spec}: page {index} is not this codec's encoding of the layout's pages "
                              f"({err}).") from None
         return (*parts, row[ends[-1] :])
 
     def _decompress(self, part: np.ndarray, limit: int) -> np.ndarray:
-        return np.frombuffer(self._decompressor.decompress(part.tobytes(), max_output_size=limit), np.uint8)
+        return np.frombuffer(self._zstd.decompressor.decompress(part.tobytes(), max_output_size=limit), np.uint8)
 
 
 class _Planes:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import zstandard
 from torch import Tensor
 
 from ..config import TIME_NBYTES, PageLayout
@@ -27,6 +26,7 @@ from .base import EncodedPages, KVCodec
 from .fixed_width import FixedWidthCodec
 from .raw import RawCodec
 from .values import CastValues
+from .zstd_contexts import zstd_contexts
 
 CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the `values` a page may be cast to first
 
@@ -41,8 +41,7 @@ class ZstdCodec(KVCodec):
         self.lossless = self._plain.lossless
         # Contexts are reused (allocation per call costs more than small pages' compression);
         # a codec serves one tier, which its manager's lock serialises.
-        self._compressor = zstandard.ZstdCompressor(level=level)
-        self._decompressor = zstandard.ZstdDecompressor()
+        self._zstd = zstd_contexts("zstd", level)
 
     @property
     def spec(self) -> str:
@@ -53,7 +52,7 @@ class ZstdCodec(KVCodec):
         rows = self._plain.encode(layout, pages).fixed_rows(self._width(layout))
         if self.shuffle:
             rows = self._shuffled(layout, rows)
-        compress = self._compressor.compress
+        compress = self._zstd.compressor.compress
         return EncodedPages.from_rows(self.spec, [np.frombuffer(compress(row), dtype=np.uint8) for row in rows.numpy()])
 
     def decode(self, layout: PageLayout, encoded: EncodedPages) -> PageData:
@@ -82,7 +81,7 @@ class ZstdCodec(KVCodec):
         with torch.inference_mode(False):
             rows = torch.empty((encoded.num_pages, width), dtype=torch.uint8)
         plain = rows.numpy()
-        decompress = self._decompressor.decompress
+        decompress = self._zstd.decompressor.decompress
         for i, row in enumerate(encoded.rows()):
             page = decompress(row, max_output_size=width)
             if len(page) != width:

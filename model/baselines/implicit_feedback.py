@@ -17,18 +17,19 @@ item-kNN the mean user row). All fits run single-threaded (the machine's cores a
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
-from implicit.cpu.als import AlternatingLeastSquares
-from implicit.cpu.bpr import BayesianPersonalizedRanking
-from implicit.nearest_neighbours import BM25Recommender, CosineRecommender
-from implicit.utils import ParameterWarning
-from scipy.sparse import csr_matrix
-from threadpoolctl import threadpool_limits
 
 from data.jagged import sorted_lookup
 from data.schema import TASKS
 from model.baselines.base import Interactions, PairScorer
+
+if TYPE_CHECKING:
+    from scipy.sparse import csr_matrix
+
+# `implicit`, scipy and threadpoolctl are imported where a baseline is fitted: the model and the
+# serving path import this package without them (a GPU image has only what serving needs).
 
 SIGNALS = ("actions", "exposures")
 POSITIVE_TASKS = (TASKS.index("click"), TASKS.index("long_view"))
@@ -47,6 +48,8 @@ class _UserVideoMatrix:
     """The training events as a [users, videos] CSR of `signal` weights, and the id <-> row maps."""
 
     def __init__(self, train: Interactions, signal: str):
+        from scipy.sparse import csr_matrix
+
         self.users, user_row = np.unique(train.user_ids, return_inverse=True)
         self.videos, video_row = np.unique(train.video_ids, return_inverse=True)
         weight = train.labels[:, list(POSITIVE_TASKS)].sum(axis=1)
@@ -70,16 +73,21 @@ class _UserVideoMatrix:
 def _fit_quietly(model, matrix: csr_matrix) -> None:
     """`implicit` fit with one BLAS thread (it runs its own loops and warns when BLAS would spawn
     more) and without its note that it converted its own internal COO product to CSR."""
+    from implicit.utils import ParameterWarning
+    from threadpoolctl import threadpool_limits
+
     with threadpool_limits(1, "blas"), warnings.catch_warnings():
         warnings.simplefilter("ignore", ParameterWarning)
         model.fit(matrix, show_progress=False)
 
 
 class _FactorScorer(PairScorer):
-    """A factor model of `implicit` (`library_model`, built from `params`); score = user factors .
+    """A factor model of `implicit` (`library_model()`, built from `params`); score = user factors .
     video factors; unseen ids read the mean factors."""
 
-    library_model: type
+    @staticmethod
+    def library_model() -> type:
+        raise NotImplementedError
 
     def __init__(self, signal: str, seed: int, **params: float):
         _check(signal, factors=params["factors"], iterations=params["iterations"])
@@ -88,7 +96,7 @@ class _FactorScorer(PairScorer):
     def fit(self, train: Interactions, holdout: Interactions | None = None) -> _FactorScorer:
         # One thread: implicit's BPR updates factors from several threads without locks, so more than one
         # makes a fit depend on the scheduling (and the machine's cores are shared).
-        model = self.library_model(**self.params, random_state=self.seed, num_threads=1)
+        model = self.library_model()(**self.params, random_state=self.seed, num_threads=1)
         self.data = _UserVideoMatrix(train, self.signal)
         _fit_quietly(model, self.data.matrix)
         self.user_factors = np.asarray(model.user_factors, dtype=np.float64)
@@ -106,7 +114,12 @@ class ImplicitALS(_FactorScorer):
     """Weighted ALS (Hu, Koren, Volinsky): confidence 1 + alpha x weight on the entries, 1 elsewhere."""
 
     name = "ALS (implicit)"
-    library_model = AlternatingLeastSquares
+
+    @staticmethod
+    def library_model() -> type:
+        from implicit.cpu.als import AlternatingLeastSquares
+
+        return AlternatingLeastSquares
 
     def __init__(self, factors: int = 32, regularization: float = 1.0, alpha: float = 1.0, iterations: int = 15,
                  signal: str = "actions", seed: int = 0):
@@ -118,7 +131,12 @@ class ImplicitBPR(_FactorScorer):
     """Bayesian personalised ranking: a user's entries ranked above sampled other videos (SGD)."""
 
     name = "BPR (implicit)"
-    library_model = BayesianPersonalizedRanking
+
+    @staticmethod
+    def library_model() -> type:
+        from implicit.cpu.bpr import BayesianPersonalizedRanking
+
+        return BayesianPersonalizedRanking
 
     def __init__(self, factors: int = 32, learning_rate: float = 0.05, regularization: float = 0.01,
                  iterations: int = 100, signal: str = "actions", seed: int = 0):
@@ -139,6 +157,8 @@ class ItemKNN(PairScorer):
         self.neighbours, self.weighting, self.signal = neighbours, weighting, signal
 
     def fit(self, train: Interactions, holdout: Interactions | None = None) -> ItemKNN:
+        from implicit.nearest_neighbours import BM25Recommender, CosineRecommender
+
         self.data = _UserVideoMatrix(train, self.signal)
         cls = CosineRecommender if self.weighting == "cosine" else BM25Recommender
         model = cls(K=self.neighbours, num_threads=1)
