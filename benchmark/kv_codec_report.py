@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data_dir", required=True)
     p.add_argument("--checkpoint", default=None, help="model.train output (omit: a random-init --preset model)")
     p.add_argument("--preset", default="demo", help="the random-init model's preset (without --checkpoint)")
-    p.add_argument("--codecs", nargs="+", type=codec_spec, default=["raw", "zstd", "bf16", "int8", "mixed"])
+    p.add_argument("--codecs", nargs="+", type=codec_spec, default=["raw", "zstd", "zstd-channel", "bf16", "int8", "mixed"])
     p.add_argument("--from_date", type=int, default=DEFAULT_SPLIT_DATE)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--max_requests", type=int, default=None, help="replay only the first N visits (150: minutes on CPU)")

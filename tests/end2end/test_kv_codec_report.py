@@ -21,12 +21,13 @@ def test_report_rows_per_codec_and_a_reused_reference(report, tmp_path):
     processed = build_processed(tmp_path / "data")
     reference = tmp_path / "full.npz"
     common = ["--data_dir", str(processed), "--preset", "tiny", "--max_requests", "24", "--full_reference", str(reference)]
-    assert report.main([*common, "--codecs", "zstd", "int8", "sparse:keep=20,merge=0,recent=0",
+    assert report.main([*common, "--codecs", "zstd", "zstd-channel", "int8", "sparse:keep=20,merge=0,recent=0",
                         "--output", str(tmp_path / "a.json")]) == 0
     rows = json.loads((tmp_path / "a.json").read_text())["codecs"]
     sparse = "sparse:keep=20,merge=0,recent=0,score=vnorm,values=raw"
-    assert list(rows) == ["raw", "zstd:level=3,shuffle=1", "int8:mode=sym", sparse]
-    assert rows["raw"]["max_abs_logit_diff_vs_full"] == 0 and rows["zstd:level=3,shuffle=1"]["max_abs_logit_diff_vs_raw"] == 0
+    assert list(rows) == ["raw", "zstd:level=3,shuffle=1", "zstd-channel", "int8:mode=sym", sparse]
+    assert rows["raw"]["max_abs_logit_diff_vs_full"] == 0
+    assert rows["zstd:level=3,shuffle=1"]["max_abs_logit_diff_vs_raw"] == 0 == rows["zstd-channel"]["max_abs_logit_diff_vs_raw"]
     assert all(r["tokens_reused"] > 0 for r in rows.values())
     lossy = [rows["int8:mode=sym"], rows[sparse]]
     assert all(r["max_abs_logit_diff_vs_raw"] > 0 and r["bytes_ratio_vs_raw_pages"] > 1.5 for r in lossy)
