@@ -1,7 +1,9 @@
 """kvcache.codecs: specs, exact round trips of the lossless codecs, the stated error bound of the
 lossy ones on random pages, times kept bit-exact, bad input refused."""
+import numpy as np
 import pytest
 import torch
+import zstandard
 
 from helpers import host_pages, pages_equal
 from kvcache import PageLayout
@@ -232,3 +234,22 @@ def test_zstd_channel_refuses_other_dtypes_and_damaged_pages_by_name():
     cut = EncodedPages(encoded.spec, encoded.data[:-1], encoded.offsets - [0, 0, 1])  # page 1 loses a byte
     with pytest.raises(ValueError, match=r"Codec zstd-channel: page 1 is not this codec's encoding"):
         codec.decode(LAYOUT, cut)
+
+
+def test_zstd_channel_refuses_a_page_whose_far_exponents_do_not_match_its_codes():
+    """A page whose header lost one of the exponents stored aside decodes to an error naming the page,
+    not to values with a wrong exponent."""
+    codec = get_codec("zstd-channel")
+    pages = _normal_pages(2, 3)
+    pages.kv[1, 0, 0, 0, 0, :3] = torch.tensor([1e-30, 1e30, 0.0])  # far from their channels' medians
+    encoded = codec.encode(LAYOUT, pages)
+    rows = encoded.rows()
+    lengths = rows[1][:12].view("<u4").astype(np.int64)
+    header = zstandard.ZstdDecompressor().decompress(rows[1][12 : 12 + lengths[0]].tobytes())
+    shorter = np.frombuffer(zstandard.ZstdCompressor().compress(header[:-1]), np.uint8)
+    rest = rows[1][12 + lengths[0] :]
+    row = np.concatenate([np.array([len(shorter), *lengths[1:]], "<u4").view(np.uint8), shorter, rest])
+    damaged = EncodedPages.from_rows(encoded.spec, [rows[0], row])
+    assert pages_equal(codec.decode(LAYOUT, encoded), pages)
+    with pytest.raises(ValueError, match=r"Codec zstd-channel: page 1 .*far exponents coded"):
+        codec.decode(LAYOUT, damaged)
