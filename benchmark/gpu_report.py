@@ -11,6 +11,8 @@ GPU time is scarce, so the run is planned to fit in 20 minutes and to spend them
     launches   kernel launches per batch at B = 1 and 8 (torch profiler), eager and graph replay, each
                forward under torch.cuda.set_sync_debug_mode("error") (benchmark/launch_count.py)
     end2end    the end-to-end replay of synthetic KuaiRand visits, cached vs full recompute, bf16
+    study      (named only: --steps study) the KV-reuse study on the device (benchmark/kv_study.py):
+               histories 256-16k, reload from memory and disk per codec, into kv_study/ (a second run)
 
 Every step runs in its own process under its own time limit, and a failed step does not stop the
 others (a first run should bring back every figure it can). The report, `report.json` and
@@ -32,7 +34,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGET_SECONDS = 20 * 60
-STEP_NAMES = ("runtime", "tests", "block", "launches", "end2end")
+STEP_NAMES = ("runtime", "tests", "block", "launches", "end2end")  # the first run's plan, within BUDGET_SECONDS
+EXTRA_STEP_NAMES = ("study",)  # run when named (--steps): the first run's budget has no room for them
 # The CUDA tests: the kernels and every test whose id names cuda (the device fixture's cuda runs, CUDA-only tests).
 KERNEL_TESTS = ("tests/model/test_triton_attention.py", "tests/kvcache/test_triton_append.py")
 # H100 targets (issue 22): cached block ms at each batch, history 4096 (3968 cached) + 256 candidates, bf16.
@@ -76,6 +79,9 @@ def plan_steps(out: Path, work: Path, dry: bool) -> list[Step]:
                  "--candidates", "4", "--repeats", "1"]
         replay = ["--preset", "tiny", "--max_requests", "16", "--batch_size", "4"]
         launches = ["--preset", "tiny", "--history", "64", "--new_tokens", "8", "--candidates", "4"]
+        study = ["--preset", "tiny", "--presets", "tiny", "--histories", "16", "64", "--new_tokens", "8",
+                 "--candidates", "4", "--repeats", "1", "--tiers", "memory", "--codecs", "raw", "int8",
+                 "--batches", "1", "2"]
         scale = "0.0005"
     else:
         tests_commands = [[*tests, *KERNEL_TESTS], [*tests, "tests", "-k", "cuda", "-m", "not slow"]]
@@ -84,6 +90,10 @@ def plan_steps(out: Path, work: Path, dry: bool) -> list[Step]:
         replay = ["--preset", "kuairand-1k", "--max_requests", "2000", "--batch_size", "8"]
         launches = ["--preset", "kuairand-1k", "--history", str(TARGET_HISTORY), "--new_tokens", "128",
                     "--candidates", "256"]
+        # Redis joins when the machine has redis-server (the study notes it otherwise); the host-decoded
+        # lossless codecs measure the host, not the device, and stay out of a short slot.
+        study = ["--histories", "256", "1024", "4096", "16384", "--repeats", "3", "--codecs", "raw", "bf16",
+                 "int8", "int8:group=token", "mixed"]
         scale = "0.005"
     return [
         Step("runtime", "tools/gpu_runtime_check.py: does this machine run the GPU path?",
@@ -101,6 +111,9 @@ def plan_steps(out: Path, work: Path, dry: bool) -> list[Step]:
                "--output_dir", str(data)],
               [py, "benchmark/inference_end2end_example.py", "--data_dir", str(data), "--device", device,
                "--dtype", dtype, *replay, "--quiet", "--output", str(out / "end2end.json")]], 360, "end2end.json"),
+        Step("study", f"KV-reuse study: visits, memory and reload per tier and codec ({device})",
+             [[py, "benchmark/kv_study.py", "--device", device, *study, "--output_dir", str(out / "kv_study")]],
+             300, "kv_study/results.json"),
     ]
 
 
@@ -166,6 +179,11 @@ def figures(results: list[StepResult], dry: bool) -> list[dict]:
                      "met": None if dry else speedup >= END2END_TARGET_SPEEDUP})
         rows.append({"figure": "end-to-end logit parity", "value": replay.result.get("parity"), "target": "pass",
                      "met": replay.result.get("parity") == "pass"})
+    study = by_name.get("study")
+    if study and study.result:
+        for visit in study.result["visits"]:
+            rows.append({"figure": f"KV study: cached vs full recompute (x), history {visit['history']}",
+                         "value": round(visit["speedup"], 2), "target": None, "met": None})
     return rows
 
 
@@ -194,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("artifacts/gpu-report-data"),
                    help="where the end-to-end step writes its synthetic data")
     p.add_argument("--dry", action="store_true", help="every step's CPU part at tiny sizes (no GPU needed)")
-    p.add_argument("--steps", nargs="+", choices=STEP_NAMES, default=None, help="run only these steps (default: all)")
+    p.add_argument("--steps", nargs="+", choices=STEP_NAMES + EXTRA_STEP_NAMES, default=None,
+                   help=f"run only these steps (default: {' '.join(STEP_NAMES)}; {' '.join(EXTRA_STEP_NAMES)} when named)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for all steps together: their limits are scaled to it (a runner with a shorter "
                         "command limit than the 20 minutes planned)")
@@ -202,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.output.resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    steps = [s for s in plan_steps(out, args.work.resolve(), args.dry) if not args.steps or s.name in args.steps]
+    steps = [s for s in plan_steps(out, args.work.resolve(), args.dry) if s.name in (args.steps or STEP_NAMES)]
     scale = 1.0 if args.budget is None else args.budget / sum(s.timeout_s for s in steps)
     results = []
     for step in steps:
