@@ -83,7 +83,11 @@ class ZstdCodec(KVCodec):
         plain = rows.numpy()
         decompress = self._zstd.decompressor.decompress
         for i, row in enumerate(encoded.rows()):
-            page = decompress(row, max_output_size=width)
+            try:
+                page = decompress(row, max_output_size=width)
+            except self._zstd.error as err:
+                raise ValueError(f"Codec {self.spec}: page {i} does not decompress ({err}); the stored bytes are "
+                                 f"not this codec's.") from None
             if len(page) != width:
                 raise ValueError(f"Codec {self.spec}: page {i} decompresses to {len(page)} bytes, "
                                  f"expected {width}; the stored bytes are not this codec's.")

@@ -253,3 +253,15 @@ def test_zstd_channel_refuses_a_page_whose_far_exponents_do_not_match_its_codes(
     assert pages_equal(codec.decode(LAYOUT, encoded), pages)
     with pytest.raises(ValueError, match=r"Codec zstd-channel: page 1 .*far exponents coded"):
         codec.decode(LAYOUT, damaged)
+
+
+def test_zstd_refuses_damaged_pages_by_name():
+    codec = get_codec("zstd")
+    encoded = codec.encode(LAYOUT, _normal_pages(2, 0))
+    cut = EncodedPages(encoded.spec, encoded.data[:-1], encoded.offsets - [0, 0, 1])  # page 1 loses a byte
+    with pytest.raises(ValueError, match=r"Codec zstd:level=3,shuffle=1: page 1 does not decompress"):
+        codec.decode(LAYOUT, cut)
+    flipped = encoded.data.copy() if isinstance(encoded.data, np.ndarray) else encoded.data.clone()
+    flipped[encoded.offsets[1] + 6] ^= 0xFF  # inside page 1's frame
+    with pytest.raises(ValueError, match=r"Codec zstd:level=3,shuffle=1: page 1 "):
+        codec.decode(LAYOUT, EncodedPages(encoded.spec, flipped, encoded.offsets))
