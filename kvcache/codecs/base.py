@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..config import PageLayout
-from ..page_data import PageData
+from ..page_data import PageData, empty_pages
 
 
 class CodecSpecError(ValueError):
@@ -171,3 +171,16 @@ class KVCodec(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+
+class InPlaceDecodingCodec(KVCodec):
+    """A codec whose decode writes the values where they go (`decode_into`, the one to implement);
+    `decode` is that into fresh pages."""
+
+    def decode(self, layout: PageLayout, encoded: EncodedPages) -> PageData:
+        out = empty_pages(layout, encoded.num_pages)
+        self.decode_into(layout, encoded, out)
+        return out
+
+    @abstractmethod
+    def decode_into(self, layout: PageLayout, encoded: EncodedPages, out: PageData) -> None: ...

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from ..config import PageLayout
-from ..page_data import PageData, empty_pages
-from .base import EncodedPages, KVCodec
+from ..page_data import PageData
+from .base import EncodedPages, InPlaceDecodingCodec
 from .zstd_contexts import zstd_contexts
 
 _DTYPES = (torch.float32, torch.bfloat16)  # sign + 8 exponent bits in their top two bytes
@@ -39,7 +39,7 @@ _CHUNK_PAGES = 64  # pages transformed at a time: bounds the temporaries of a la
 _LENGTHS = np.dtype("<u4")
 
 
-class ChannelZstdCodec(KVCodec):
+class ChannelZstdCodec(InPlaceDecodingCodec):
     lossless = True
 
     def __init__(self, level: int = 3) -> None:
@@ -62,11 +62,6 @@ class ChannelZstdCodec(KVCodec):
                 lengths = np.array([len(p) for p in parts], dtype=_LENGTHS).view(np.uint8)
                 rows.append(np.concatenate([lengths, *parts, low[i]]))
         return EncodedPages.from_rows(self.spec, rows)
-
-    def decode(self, layout: PageLayout, encoded: EncodedPages) -> PageData:
-        out = empty_pages(layout, encoded.num_pages)
-        self.decode_into(layout, encoded, out)
-        return out
 
     def decode_into(self, layout: PageLayout, encoded: EncodedPages, out: PageData) -> None:
         """Each chunk of pages joined straight into `out` (a pool's pages on an onload): no decoded copy."""

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 import torch
 
 from ..config import TIME_NBYTES, PageLayout
-from ..page_data import PageData, empty_pages
-from .base import EncodedPages, KVCodec
+from ..page_data import PageData
+from .base import EncodedPages, InPlaceDecodingCodec
 from .values import ValueCodec
 
 
-class FixedWidthCodec(KVCodec):
+class FixedWidthCodec(InPlaceDecodingCodec):
     """`runs`: (first layer, value codec) in increasing first-layer order, the first at layer 0; a run
     lasts until the next one's first layer, clipped to the layout's layers."""
 
@@ -60,11 +60,6 @@ class FixedWidthCodec(KVCodec):
         for first, stop, codec, offset, width in self._spans(layout):
             codec.encode_into(layout, pages.kv[:, first:stop], rows[:, offset : offset + width])
         return EncodedPages.from_fixed(self.spec, rows)
-
-    def decode(self, layout: PageLayout, encoded: EncodedPages) -> PageData:
-        out = empty_pages(layout, encoded.num_pages)
-        self.decode_into(layout, encoded, out)
-        return out
 
     def decode_into(self, layout: PageLayout, encoded: EncodedPages, out: PageData) -> None:
         self.check_spec(encoded)
