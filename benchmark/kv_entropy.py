@@ -166,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         layout = cache.config.page_layout
     rows = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        typed = dataclasses.replace(layout, dtype=dtype)
-        rows[name] = {**order0_bound(kv.to(dtype)), **channel_bound(kv.to(dtype)),
-                      **{key: v for codec in CODECS for key, v in codec_stats(codec, typed, kv.to(dtype)).items()}}
+        typed, values = dataclasses.replace(layout, dtype=dtype), kv.to(dtype)
+        rows[name] = {**order0_bound(values), **channel_bound(values),
+                      **{key: v for codec in CODECS for key, v in codec_stats(codec, typed, values).items()}}
     report = {"checkpoint": args.checkpoint, "num_requests": len(indices), "full_pages": kv.shape[0],
               "tokens": kv.shape[0] * layout.page_size, "dtypes": rows}
     Path(args.output).write_text(json.dumps(report, indent=2))

@@ -27,14 +27,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import PageLayout
+from ..config import TIME_NBYTES, PageLayout
 from ..page_data import PageData
 from .base import EncodedPages, InPlaceDecodingCodec
 from .zstd_contexts import zstd_contexts
 
 _DTYPES = (torch.float32, torch.bfloat16)  # sign + 8 exponent bits in their top two bytes
-_MANTISSA_BITS = 7  # the leading mantissa bits: those in the exponent's second byte
 _NEAR = 3  # exponent distances in [-_NEAR, _NEAR] fit a code; the code's -4 says "stored aside"
+_LEVEL = 3  # zstd's level: decoding does not depend on it, so the spec does not name it
 _CHUNK_PAGES = 64  # pages transformed at a time: bounds the temporaries of a large write
 _LENGTHS = np.dtype("<u4")
 
@@ -42,8 +42,8 @@ _LENGTHS = np.dtype("<u4")
 class ChannelZstdCodec(InPlaceDecodingCodec):
     lossless = True
 
-    def __init__(self, level: int = 3) -> None:
-        self._zstd = zstd_contexts("zstd-channel", level)
+    def __init__(self) -> None:
+        self._zstd = zstd_contexts("zstd-channel", _LEVEL)
 
     @property
     def spec(self) -> str:
@@ -75,7 +75,7 @@ class ChannelZstdCodec(InPlaceDecodingCodec):
             mantissa = np.empty((k, planes.values), np.uint8)
             low = np.empty((k, planes.low_nbytes), np.uint8)
             refs, signs = np.empty((k, planes.channels), np.uint8), np.empty((k, planes.sign_nbytes), np.uint8)
-            times = np.empty((k, layout.page_size * 8), np.uint8)
+            times = np.empty((k, layout.page_size * TIME_NBYTES), np.uint8)
             far = []
             for i, row in enumerate(chunk):
                 header, codes[i], mantissa[i], low[i] = self._page_parts(planes, first + i, row)
@@ -129,7 +129,7 @@ class _Planes:
         self.sign_nbytes = -(-self.channels // 8)
         self.low_nbytes = self.values * (self.itemsize - 2)
         self.header_splits = [self.channels, self.channels + self.sign_nbytes]
-        self.header_nbytes = self.channels + self.sign_nbytes + tokens * 8
+        self.header_nbytes = self.channels + self.sign_nbytes + tokens * TIME_NBYTES
 
     def split(self, kv: Tensor) -> tuple:
         """kv [k, L, 2, S, H, D] -> per page: codes [k, values / 2] uint8 (two nibbles a byte), the far
