@@ -35,11 +35,11 @@ from cluster_report import plot, summarize, summarize_repeats, table
 from inference_end2end_example import working_set_pages
 
 from data.dataset import InferenceDataset
+from data.schema import DEFAULT_SPLIT_DATE, beijing_midnight_ms
 from kvcache import PageLayout
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from model.checkpoint import load_checkpoint, model_fingerprint
 from model.inference import InferenceSession
-from model.train import DEFAULT_SPLIT_DATE, date_to_ms
 from serve.launch import Service, start_node, start_router, wait_healthy
 from serve.loadgen import Sent, latency_summary, post, replay
 from serve.locality_index import IndexKeys
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dataset = InferenceDataset(args.data_dir)
     model = load_checkpoint(args.checkpoint).model
-    from_ms = date_to_ms(args.from_date)
+    from_ms = beijing_midnight_ms(args.from_date)
     indices = dataset.request_indices(from_time_ms=from_ms, max_requests=args.max_requests)
     warm_idx = warmup_indices(dataset, indices, from_ms)
     after = dataset.request_indices(from_time_ms=from_ms)[len(indices):][:args.saturation_requests]

@@ -24,10 +24,10 @@ from typing import NamedTuple
 
 import torch
 
+from data.schema import DEFAULT_SPLIT_DATE, beijing_midnight_ms
 from kvcache.codecs import DEFAULT_CODEC, codec_names, get_codec
 from kvcache.config import REDIS_SCHEMES
 from model.config import PRESET_NAMES
-from model.train import DEFAULT_SPLIT_DATE, date_to_ms
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
@@ -74,7 +74,7 @@ def yyyymmdd(text: str) -> int:
     if not re.fullmatch(r"\d{8}", text):
         raise argparse.ArgumentTypeError(f"expected a date as YYYYMMDD, got {text!r}")
     try:
-        date_to_ms(int(text))
+        beijing_midnight_ms(int(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text} is not a calendar date (YYYYMMDD)") from None
     return int(text)

@@ -24,15 +24,15 @@ import numpy as np
 import torch
 
 from data.dataset import InferenceDataset
-from data.schema import TASKS
+from data.schema import TASKS, beijing_midnight_ms
 from end2end_args import DTYPES, build_parser, parse_args, plot_path, refuse
 from kvcache import KVCacheConfig, KVCacheManager, PageLayout
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
+from model.config import config_for_dataset
 from model.cuda_graphs import use_cuda_graphs
 from model.inference import InferenceSession
 from model.recommender import HSTURecommender
 from model.replay import ReplayPass, compare, replay
-from model.train import config_for_dataset, date_to_ms
 from model.warm_up import warm_up
 from serving_cost import ServingCost, probe, probed_batches
 
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args, dataset)
     except (FileNotFoundError, ValueError) as err:
         return refuse(parser, f"{'--checkpoint' if args.checkpoint else '--preset'}: {err}")
-    from_ms = date_to_ms(args.from_date)
+    from_ms = beijing_midnight_ms(args.from_date)
     indices = dataset.request_indices(from_time_ms=from_ms, max_requests=args.max_requests)
     if len(indices) == 0:
         return refuse(parser, f"--from_date {args.from_date}: no visits in {args.data_dir} on or after that day")

@@ -26,14 +26,13 @@ import numpy as np
 from inference_end2end_example import cache_config, load_model, warmup_batches, working_set_pages
 
 from data.dataset import InferenceDataset
-from data.schema import TASKS
+from data.schema import DEFAULT_SPLIT_DATE, TASKS, beijing_midnight_ms
 from kvcache import KVCacheManager
 from kvcache.codecs import get_codec
 from kvcache.testing import copy_users
 from model.checkpoint import model_fingerprint
 from model.inference import InferenceSession
 from model.replay import ReplayPass, replay
-from model.train import DEFAULT_SPLIT_DATE, date_to_ms
 
 
 def codec_spec(text: str) -> str:
@@ -117,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     args.device, args.dtype, args.seed, args.attention_window = "cpu", "float32", 0, None
     dataset = InferenceDataset(args.data_dir)
     model = load_model(args, dataset)
-    from_ms = date_to_ms(args.from_date)
+    from_ms = beijing_midnight_ms(args.from_date)
     indices = dataset.request_indices(from_time_ms=from_ms, max_requests=args.max_requests)
     batches = list(dataset.batches(indices, args.batch_size))
     warmup = warmup_batches(dataset, indices, from_ms, args.batch_size)

@@ -34,13 +34,13 @@ import torch
 from inference_end2end_example import cache_config, load_model, working_set_pages
 
 from data.dataset import InferenceDataset
+from data.schema import DEFAULT_SPLIT_DATE, beijing_midnight_ms
 from kvcache import KVCacheManager, PageLayout
 from kvcache.codecs import get_codec
 from kvcache.page_data import PageData
 from model.checkpoint import model_fingerprint
 from model.inference import InferenceSession
 from model.replay import replay
-from model.train import DEFAULT_SPLIT_DATE, date_to_ms
 
 CODECS = ("zstd", "zstd-channel")  # the lossless codecs measured against the bounds
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args.kv_pages, args.host_capacity, args.async_offload, args.kv_tier, args.kv_codec = None, None, False, "memory", "raw"
     dataset = InferenceDataset(args.data_dir)
     model = load_model(args, dataset)
-    indices = dataset.request_indices(from_time_ms=date_to_ms(args.from_date), max_requests=args.max_requests)
+    indices = dataset.request_indices(from_time_ms=beijing_midnight_ms(args.from_date), max_requests=args.max_requests)
     pages_needed, largest = working_set_pages(model, dataset, indices, model.config.page_size)
     fingerprint = model_fingerprint(model)
     config = cache_config(args, model, pages_needed, largest, model.config.page_size, fingerprint)

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 from data.dataset import InferenceDataset
+from data.schema import DEFAULT_SPLIT_DATE, beijing_midnight_ms
 from model.checkpoint import load_checkpoint
 from model.order_ablation import format_ablation, order_ablation
-from model.train import DEFAULT_SPLIT_DATE, date_to_ms
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,12 +46,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     try:
-        dataset = InferenceDataset(args.data_dir, video_counters_until_ms=date_to_ms(args.split_date))
+        dataset = InferenceDataset(args.data_dir, video_counters_until_ms=beijing_midnight_ms(args.split_date))
         model = load_checkpoint(args.checkpoint, attention_window=args.attention_window).model.eval()
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    indices = dataset.request_indices(from_time_ms=date_to_ms(args.split_date), max_requests=args.max_requests)
+    indices = dataset.request_indices(from_time_ms=beijing_midnight_ms(args.split_date), max_requests=args.max_requests)
     if len(indices) == 0:
         print(f"error: no visits on or after {args.split_date} in {args.data_dir}", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ model/baselines/registry.py: item popularity, user-kNN, matrix factorisation, AL
 a last-items Markov model and SASRec, each tuned on the holdout's click AUC and fitted on the
 training period (model/quality.py). Prints the per-task AUC table, what each baseline's tuning
 picked, the training throughput when it trained, and whether the model beats the best baseline's
-click AUC; writes the same to JSON. `--baselines` limits the set (by name); `--baselines_only`
+click AUC, with a 95% interval of that margin from a paired bootstrap over the evaluated users
+(model/auc_interval.py); writes the same to JSON. `--baselines` limits the set (by name); `--baselines_only`
 fits and scores the baselines alone (no model, no checkpoint).
 
 With `--seeds 0 1 2` it does all of that once per seed (the trainer and the seeded baselines
@@ -26,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from data.dataset import InferenceDataset
+from data.schema import beijing_midnight_ms
+from model.auc_interval import PairedInterval
 from model.baselines import ItemPopularity
 from model.baselines.registry import BASELINES
 from model.baselines.tuning import Baseline
@@ -33,7 +36,9 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import PRESET_NAMES
 from model.evaluation import score_requests
 from model.quality import QualitySplit, QualityTable, compare, quality_split
-from model.train import TrainParams, TrainReport, add_recipe_arguments, date_to_ms, parse_recipe_arguments, recipe_params, train
+from model.train import train
+from model.train_arguments import add_recipe_arguments, parse_recipe_arguments, recipe_params
+from model.train_params import TrainParams, TrainReport
 from model.video_tags import VideoTagTable
 
 MODEL = "HSTU"
@@ -59,6 +64,11 @@ class SeedRun:
         return self.table.margin(MODEL, "click") if self.has_model else None
 
     @property
+    def click_margin_interval(self) -> PairedInterval | None:
+        """The click margin with its paired bootstrap interval over the evaluated users."""
+        return self.table.click_margin_intervals.get(MODEL)
+
+    @property
     def click_margin_vs_popularity(self) -> float | None:
         """None also when item popularity was left out (--baselines)."""
         if not self.has_model or ItemPopularity.name not in self.table.auc:
@@ -71,6 +81,7 @@ class SeedRun:
             "seed": self.seed, "auc": self.table.auc, "requests": self.table.num_requests,
             "candidates": self.table.num_candidates, "click_best_baseline": {"name": best_name, "auc": best_auc},
             "click_margin": self.click_margin,
+            "click_margin_interval": None if self.click_margin_interval is None else self.click_margin_interval.to_json(),
             "click_margin_vs_popularity": self.click_margin_vs_popularity,
             "scoring_seconds": self.scoring_seconds,
             "training": asdict(self.training) if self.training is not None else None,
@@ -98,8 +109,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baselines", nargs="+", default=names, metavar="NAME",
                    help=f"the baselines to fit (default: all): {', '.join(repr(n) for n in names)}")
     p.add_argument("--baselines_only", action="store_true", help="fit and score the baselines alone (no model)")
+    p.add_argument("--resamples", type=int, default=1000,
+                   help="user resamples of the paired bootstrap interval of the click margin")
     p.add_argument("--output", type=Path, help="JSON results")
     args = parse_recipe_arguments(p, argv)
+    if args.resamples < 1:
+        p.error(f"--resamples must be >= 1, got {args.resamples}")
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds repeats a seed: {args.seeds}")
     unknown = [name for name in args.baselines if name not in names]
@@ -116,7 +131,7 @@ def run_seed(args: argparse.Namespace, dataset: InferenceDataset, split: Quality
     """Train (or load) the model, score the evaluation visits, fit and score the baselines, all with `seed`."""
     baselines = chosen_baselines(args.baselines)
     if args.baselines_only:
-        return SeedRun(seed, compare(split, {}, seed=seed, baselines=baselines), None, None)
+        return SeedRun(seed, compare(split, {}, seed=seed, baselines=baselines, resamples=args.resamples), None, None)
     checkpoint = args.checkpoint
     if checkpoint is not None and len(args.seeds) > 1:
         checkpoint = str(Path(checkpoint) / f"seed_{seed}")
@@ -132,7 +147,7 @@ def run_seed(args: argparse.Namespace, dataset: InferenceDataset, split: Quality
     scored = score_requests(model, dataset, split.eval_requests, args.batch_size, desc=f"score (HSTU, seed {seed})",
                             kv_cache=not args.full_recompute)
     scoring_seconds = time.perf_counter() - started
-    table = compare(split, {MODEL: scored.logits}, seed=seed, baselines=baselines)
+    table = compare(split, {MODEL: scored.logits}, seed=seed, baselines=baselines, resamples=args.resamples)
     return SeedRun(seed, table, training, scoring_seconds)
 
 
@@ -153,7 +168,8 @@ def _print_run(run: SeedRun, split_date: int) -> None:
         print(f"click: best baseline ({best_name}) {best_auc:.4f}")
         return
     print(f"click: {MODEL} {table.auc[MODEL]['click']:.4f} vs best baseline ({best_name}) {best_auc:.4f}: "
-          f"margin {run.click_margin:+.4f} (target >= +{CLICK_MARGIN_TARGET}) -> {_verdict(run.click_margin)}")
+          f"margin {run.click_margin_interval.format()} (target >= +{CLICK_MARGIN_TARGET}) -> "
+          f"{_verdict(run.click_margin)}")
     margin = run.click_margin_vs_popularity
     if margin is not None:
         print(f"click: {MODEL} vs item popularity: {margin:+.4f} -> {'beats' if margin > 0 else 'LOSES TO'} it")
@@ -171,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             recipe_params(args, preset=args.preset, split_date=args.split_date, seed=args.seeds[0])
         # Video counters frozen at the split: like the baselines, the model reads no other user's
         # event from the evaluation period (only each user's own history, as serving does).
-        dataset = InferenceDataset(args.data_dir, video_counters_until_ms=date_to_ms(args.split_date))
+        dataset = InferenceDataset(args.data_dir, video_counters_until_ms=beijing_midnight_ms(args.split_date))
         # The sequential baselines read each video's tag wherever the data has tags, whatever the HSTU reads.
         split = quality_split(dataset, args.split_date, max_eval_requests=args.max_eval_requests,
                               video_tags=VideoTagTable.from_dataset_dir(dataset.root))
@@ -187,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nclick margin over {len(runs)} seeds: min {summary['click_margin_min']:+.4f}, mean "
               f"{summary['click_margin_mean']:+.4f}, max {max(run.click_margin for run in runs):+.4f}; "
               f"{summary['passes']} of {len(runs)} pass -> {_verdict(summary['click_margin_min'])}")
+        print(f"intervals: above zero on {summary['intervals_above_zero']} of {len(runs)} seeds; the target "
+              f"+{CLICK_MARGIN_TARGET} lies inside {summary['intervals_holding_target']} of them")
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps({"seeds": [run.to_json() for run in runs], **summary}, indent=2))
@@ -194,14 +212,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _margin_summary(runs: list[SeedRun]) -> dict[str, object]:
-    """The margins over the seeds (None without a model): the target holds only if it holds for every seed."""
-    margins = [run.click_margin for run in runs if run.has_model]
-    if not margins:
+    """The margins over the seeds (None without a model): the target holds only if it holds for every seed.
+    Each seed's interval also says whether its data tell the margin from zero and from the target."""
+    with_model = [run for run in runs if run.has_model]
+    if not with_model:
         return {"click_margin_target": CLICK_MARGIN_TARGET, "click_margin_min": None, "click_margin_mean": None,
-                "passes": None}
+                "passes": None, "intervals_above_zero": None, "intervals_holding_target": None}
+    margins = [run.click_margin for run in with_model]
+    intervals = [run.click_margin_interval for run in with_model]
     return {"click_margin_target": CLICK_MARGIN_TARGET, "click_margin_min": min(margins),
             "click_margin_mean": sum(margins) / len(margins),
-            "passes": sum(m >= CLICK_MARGIN_TARGET for m in margins)}
+            "passes": sum(m >= CLICK_MARGIN_TARGET for m in margins),
+            "intervals_above_zero": sum(i.low > 0 for i in intervals),
+            "intervals_holding_target": sum(i.low <= CLICK_MARGIN_TARGET <= i.high for i in intervals)}
 
 
 if __name__ == "__main__":

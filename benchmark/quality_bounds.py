@@ -45,12 +45,12 @@ import numpy as np
 from data import schema
 from data.dataset import InferenceDataset
 from data.jagged import sorted_lookup
+from data.schema import DEFAULT_SPLIT_DATE
 from data.synthetic import SyntheticSummary, generate
 from data.synthetic_world import SIGNALS, SyntheticConfig, World, intercept, sigmoid, signal_config
 from model.baselines import Interactions
 from model.metrics import auc
 from model.quality import QualitySplit, quality_split
-from model.train import DEFAULT_SPLIT_DATE
 from model.video_tags import VideoTagTable
 from sequence_bounds import order_bounds
 

@@ -84,7 +84,7 @@ def artifacts(args) -> tuple[Path, Path]:
     from data.dataset import InferenceDataset
     from helpers import build_processed, sensitive_model
     from model.checkpoint import save_checkpoint
-    from model.train import config_for_dataset
+    from model.config import config_for_dataset
     root = Path(args.workdir) / "tiny"
     if not (root / "checkpoint").exists():  # the serving tests' artifacts (tests/serve/conftest.py)
         processed = build_processed(root)

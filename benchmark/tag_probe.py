@@ -22,8 +22,8 @@ import numpy as np
 from tqdm import tqdm
 
 from data.dataset import InferenceDataset
+from data.schema import DEFAULT_SPLIT_DATE, beijing_midnight_ms
 from model.metrics import auc
-from model.train import DEFAULT_SPLIT_DATE, date_to_ms
 from model.video_tags import VideoTagTable
 
 CLICK_BIT = 1
@@ -33,7 +33,7 @@ def probe(dataset: InferenceDataset, tags: VideoTagTable, window: int, split_dat
           max_requests: int | None = None) -> dict[str, float]:
     events = dataset.event_arrays()
     requests = dataset.requests
-    chosen = np.flatnonzero(requests.time_ms >= date_to_ms(split_date))[:max_requests]
+    chosen = np.flatnonzero(requests.time_ms >= beijing_midnight_ms(split_date))[:max_requests]
     rows = dataset.user_rows(requests.user_id[chosen])
     same, rate, user_rate, labels = [], [], [], []
     for i, row in tqdm(zip(chosen, rows), total=len(chosen), desc="tag probe", file=sys.stderr):

@@ -60,6 +60,7 @@ BEIJING_UTC_OFFSET_MS = 8 * 3600 * 1000
 DAY_MS = 24 * 3600 * 1000
 EARLY_DATES = (20220408, 20220421)  # inclusive, the early standard log
 LATE_DATES = (20220422, 20220508)  # inclusive, the late standard log and the random log
+DEFAULT_SPLIT_DATE = LATE_DATES[0]  # models train on the early log and are evaluated on the late one
 LONG_VIEW_CAP_MS = 18_000  # long_view threshold: min(duration_ms, 18 s)
 # Accepted time_ms, [first, last]: 2000-01-01 00:00 UTC up to (not including) 2100-01-01 00:00 UTC.
 # KuaiRand-1K is April-May 2022; the window is generous, and keeps every difference of two

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from data.schema import TASKS
 from model.attention.relative_bias import MAX_POSITION_BUCKETS, MAX_TIME_BUCKETS
+
+if TYPE_CHECKING:
+    from data.dataset import InferenceDataset
 
 NUM_ACTION_IDS = 256  # action_weights is an 8-bit mask
 UNKNOWN_ACTION_ID = NUM_ACTION_IDS  # a candidate's action is not known yet: its own learned vector
@@ -143,3 +147,8 @@ def preset(name: str, **overrides) -> HSTUConfig:
 
 
 __all__ = ["NUM_ACTION_IDS", "PRESET_NAMES", "UNKNOWN_ACTION_ID", "HSTUConfig", "preset"]
+
+
+def config_for_dataset(preset_name: str, dataset: InferenceDataset) -> HSTUConfig:
+    """The preset with the dataset's user-feature vocabulary (the contextual prefix)."""
+    return preset(preset_name, user_feature_cardinalities=tuple(dataset.user_feature_cardinalities))

@@ -2,6 +2,8 @@
 
     split = quality_split(dataset, split_date=20220422, holdout_fraction=0.1)
     table = compare(split, {"HSTU": scored.logits})     # -> QualityTable (per-task AUC per scorer)
+    table.click_margin_intervals["HSTU"].format()        # its click margin over the best baseline, with
+                                                         # a paired bootstrap interval over users
 
 The split is the trainer's (model/train.py): visits before the split date train, the last
 `holdout_fraction` of them (in time) are the holdout, and every visit from the split date on
@@ -15,17 +17,18 @@ never the scored candidates' labels.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from data import jagged
 from data.dataset import InferenceDataset
-from data.schema import TASKS, action_labels
+from data.schema import TASKS, action_labels, beijing_midnight_ms
+from model.auc_interval import PairedInterval, paired_auc_difference
 from model.baselines import Baseline, Interactions, Tuned, TuningData, Visits, tune
 from model.baselines.registry import BASELINES, HISTORY_EVENTS
 from model.metrics import per_task_auc
-from model.train import TrainParams, date_to_ms, split_requests
+from model.train_params import TrainParams, split_requests
 from model.video_tags import VideoTagTable
 
 
@@ -53,7 +56,7 @@ def quality_split(dataset: InferenceDataset, split_date: int, holdout_fraction: 
                   video_tags: VideoTagTable | None = None) -> QualitySplit:
     params = TrainParams(split_date=split_date, holdout_fraction=holdout_fraction)
     train, holdout = split_requests(dataset, params)
-    split_ms = date_to_ms(split_date)
+    split_ms = beijing_midnight_ms(split_date)
     evaluated = dataset.request_indices(from_time_ms=split_ms, max_requests=max_eval_requests)
     if len(evaluated) == 0:
         raise ValueError(f"no visits on or after {split_date}: nothing to evaluate")
@@ -102,6 +105,9 @@ class QualityTable:
     num_candidates: int
     num_requests: int
     baselines: dict[str, dict[str, object]]  # baseline -> its picked parameters and holdout click AUC (Tuned.summary)
+    # model -> its click AUC minus the best baseline's, with a paired bootstrap interval over users
+    # (empty without baselines)
+    click_margin_intervals: dict[str, PairedInterval]
 
     def best_baseline(self, task: str = "click") -> tuple[str, float]:
         scores = {name: a[task] for name, a in self.auc.items() if name not in self.model_names and a[task] is not None}
@@ -143,8 +149,11 @@ def fit_baselines(split: QualitySplit, seed: int = 0, baselines: tuple[Baseline,
 
 
 def compare(split: QualitySplit, model_scores: dict[str, np.ndarray], seed: int = 0,
-            baselines: tuple[Baseline, ...] = BASELINES, progress: bool = True) -> QualityTable:
-    """Per-task AUC of the models' and the baselines' scores of the evaluated candidates."""
+            baselines: tuple[Baseline, ...] = BASELINES, progress: bool = True,
+            resamples: int = 1000) -> QualityTable:
+    """Per-task AUC of the models' and the baselines' scores of the evaluated candidates, and each
+    model's click margin over the best baseline with its interval over `resamples` resamples of the users
+    (model/auc_interval.py; the best baseline is the one with the highest click AUC as measured)."""
     labels = split.eval_pairs.labels
     for name, scores in model_scores.items():
         if scores.shape != labels.shape:
@@ -154,4 +163,12 @@ def compare(split: QualitySplit, model_scores: dict[str, np.ndarray], seed: int 
     scorers = {**model_scores, **{name: run.scores for name, run in runs.items()}}
     auc = {name: per_task_auc(scores, labels, TASKS) for name, scores in scorers.items()}
     picks = {name: run.tuned.summary() for name, run in runs.items()}
-    return QualityTable(auc, tuple(model_scores), len(labels), len(split.eval_requests), picks)
+    table = QualityTable(auc, tuple(model_scores), len(labels), len(split.eval_requests), picks, {})
+    if not any(auc[name]["click"] is not None for name in runs):
+        return table
+    click = TASKS.index("click")
+    best = runs[table.best_baseline("click")[0]].scores[:, click]
+    intervals = {name: paired_auc_difference(scores[:, click], best, labels[:, click], split.eval_pairs.user_ids,
+                                             resamples=resamples, seed=seed)
+                 for name, scores in model_scores.items()}
+    return replace(table, click_margin_intervals=intervals)

@@ -15,13 +15,12 @@ samples (candidates) per second.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import logging
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -35,157 +34,21 @@ from data.dataset import InferenceDataset
 from data.schema import TASKS
 from model.attention import BlockedAttention
 from model.checkpoint import save_checkpoint
-from model.config import PRESET_NAMES, HSTUConfig, preset
+from model.config import PRESET_NAMES, config_for_dataset
 from model.evaluation import EarlyStopping, score_requests, window_batch
-from model.metrics import SELECT_ON, per_task_auc, selection_score
+from model.metrics import per_task_auc, selection_score
 from model.next_item_loss import NextItemLoss, NextItemTargets
 from model.recommender import HSTURecommender, ModelInputs
+from model.train_arguments import add_recipe_arguments, parse_recipe_arguments, recipe_params
+from model.train_params import EpochReport, TrainParams, TrainReport, split_requests, trained_attention_window
 from model.video_tags import VideoTagTable
 
 log = logging.getLogger(__name__)
-BEIJING = dt.timezone(dt.timedelta(hours=8))
-DEFAULT_SPLIT_DATE = 20220422  # first day of the second standard log
 # The blocked attention while training, with 128 query rows x 128 keys per block: cropped windows are
 # short, and the backward pays for every padded slot of a block, so blocks smaller than serving's pay off.
 TRAINING_ATTENTION = BlockedAttention(query_block=128, key_block=128)
 # Marks the optimiser groups of the candidate-only terms (TrainParams.candidate_terms_delay_epochs).
 CANDIDATE_TERM = "candidate_term"
-
-
-@dataclass(frozen=True)
-class TrainParams:
-    preset: str = "demo"
-    split_date: int = DEFAULT_SPLIT_DATE
-    holdout_fraction: float = 0.1
-    # At most; the holdout keeps the best epoch. The cosine decay spans these epochs, so a short plan
-    # lowers the rate while the model still generalises: on the demo-sized logs every run's best
-    # holdout epoch was the first or second, and planning 2 instead of 8 gained +0.011 click AUC on
-    # mixed data (item-level: the same).
-    epochs: int = 2
-    patience: int = 2  # epochs without a better holdout score before stopping
-    # What "better" means: "click_auc" (the ranking the model is for) or "loss" (the mean holdout BCE
-    # over all tasks). On the demo-sized logs consecutive epochs' losses differed by < 0.5% while
-    # their click AUCs differed by ~0.01, and the loss kept the worse ranker as often as not.
-    select_on: str = "click_auc"
-    batch_size: int = 16
-    learning_rate: float = 2e-3
-    embedding_learning_rate: float = 1e-2
-    # The per-video logit offsets: Adam moves a row by about the learning rate each time its video is
-    # seen, so a video seen a handful of times needs a large rate to reach its log-odds.
-    video_bias_learning_rate: float = 0.1
-    # The user-taste tables (model/user_taste.py) and an L2 on the rows a batch's candidates read.
-    taste_learning_rate: float = 0.02
-    taste_l2: float = 0.1
-    # The counter term (model/counter_features.py): a few hundred weights read by every batch, whose
-    # targets are around a logit; at the layers' rate they would barely move in an epoch.
-    counter_learning_rate: float = 0.05
-    # Epochs the candidate-only terms (video_bias, user taste, counters) wait, at rate 0, before they
-    # train, so that the sequence path learns first: +0.005 click AUC on static-taste data, -0.009 on
-    # order and -0.012 on mixed data (docs/model.md, "A delayed start for the candidate-only terms").
-    candidate_terms_delay_epochs: int = 0
-    # Weight of the auxiliary next-clicked-item loss on the history tokens (model/next_item_loss.py),
-    # beside the candidates' BCE; 0: off. At 0.01: +0.018 click AUC on static-taste data, -0.006 and
-    # -0.016 on order, neutral on mixed (docs/model.md, "An auxiliary next-clicked-item loss").
-    next_item_loss_weight: float = 0.0
-    # L2 on the per-video rows a batch reads (token video embeddings, video_bias): a video seen once
-    # or twice would otherwise memorise its training labels (the holdout loss rises from epoch 2).
-    video_l2: float = 0.0
-    # Dropout of a fresh model's layers: on the demo-sized logs the holdout loss is best after one or
-    # two epochs; 0.3 scored +0.005 click AUC over 0.1 on mixed data and the same on item-level data.
-    dropout: float = 0.3
-    warmup_steps: int = 20  # linear warm-up, then cosine decay to 10% over the planned steps
-    max_history_events: int | None = 128  # training crops each visit to its last events (None: whole window)
-    # The sliding attention window of a fresh model (HSTUConfig.attention_window): None serves the crop
-    # it was trained on (max_history_events; the whole window without a crop), 0 the whole window.
-    attention_window: int | None = None
-    # Each visit's last events scored as targets too, each seeing only the events before it
-    # (InferenceDataset.make_batch(history_targets=)); 0: the visits' candidates only.
-    history_targets: int = 0
-    # The absolute position table of a fresh model (HSTUConfig.position_table_size, saved in the
-    # checkpoint and read by serving): None keeps the preset's; 1 gives every token one position row,
-    # which removes absolute positions and leaves order to the relative bias.
-    position_table_size: int | None = None
-    # Id rows of a fresh model (HSTUConfig.video_hash_size, .user_hash_size); None keeps the preset's.
-    # One video row and no user rows leave the model nothing to memorise per id (docs/model.md).
-    video_hash_size: int | None = None
-    user_hash_size: int | None = None
-    # Embed each token's video tag (model/video_tags.py; the dataset must have tags). Off by default: on
-    # the demo-sized data it gained no AUC (docs/model.md, "Video tags") and cost ~8% of the cached path.
-    video_tags: bool = False
-    max_train_requests: int | None = None
-    max_train_seconds: float | None = None
-    seed: int = 0
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if self.select_on not in SELECT_ON:
-            raise ValueError(f"select_on must be one of {', '.join(SELECT_ON)}, got {self.select_on!r}")
-        if self.candidate_terms_delay_epochs < 0 or 0 < self.epochs <= self.candidate_terms_delay_epochs:
-            raise ValueError(f"candidate_terms_delay_epochs must be in [0, epochs = {self.epochs}), "
-                             f"got {self.candidate_terms_delay_epochs}")
-        if not self.next_item_loss_weight >= 0:
-            raise ValueError(f"next_item_loss_weight must be >= 0, got {self.next_item_loss_weight}")
-
-
-# Named sets of TrainParams fields (`--recipe NAME`; explicit options still win over the recipe's).
-# "sequence" trains the sequence path to read the history (docs/model.md, "Training long enough"): a
-# rate the 256-wide layers can find matching events at, every history position of the crop a target,
-# no absolute positions and no per-id rows to memorise, tags to generalise over, and epochs enough for
-# the attention to leave its plateau (the holdout picks the epoch).
-RECIPES: dict[str, dict[str, object]] = {
-    "default": {},
-    "sequence": dict(epochs=10, patience=3, learning_rate=2.5e-4, history_targets=32, position_table_size=1,
-                     dropout=0.1, video_hash_size=1, user_hash_size=0, video_tags=True),
-}
-
-
-@dataclass(frozen=True)
-class EpochReport:
-    epoch: int
-    steps: int
-    train_loss: float
-    holdout_loss: float
-    holdout_auc: dict[str, float | None]
-    seconds: float
-
-
-@dataclass(frozen=True)
-class TrainReport:
-    train_requests: int
-    holdout_requests: int
-    steps: int
-    seconds: float
-    final_loss: float
-    holdout_auc: dict[str, float | None]  # of the kept (best) epoch
-    best_epoch: int
-    stopped_early: bool
-    candidates_per_second: float  # training samples (scored candidates) per second of training steps
-    requests_per_second: float
-    epochs: list[EpochReport] = field(default_factory=list)
-
-
-def date_to_ms(yyyymmdd: int) -> int:
-    """Midnight (Beijing time, the dataset's clock) of a YYYYMMDD date, in epoch ms."""
-    day = dt.datetime.strptime(str(yyyymmdd), "%Y%m%d").replace(tzinfo=BEIJING)
-    return int(day.timestamp() * 1000)
-
-
-def config_for_dataset(preset_name: str, dataset: InferenceDataset) -> HSTUConfig:
-    """The preset with the dataset's user-feature vocabulary (the contextual prefix)."""
-    return preset(preset_name, user_feature_cardinalities=tuple(dataset.user_feature_cardinalities))
-
-
-def split_requests(dataset: InferenceDataset, params: TrainParams) -> tuple[np.ndarray, np.ndarray]:
-    """-> (train, holdout) request indices: the visits before the split date, the last
-    `holdout_fraction` of them (in time) held out."""
-    period = dataset.request_indices(until_time_ms=date_to_ms(params.split_date))
-    if len(period) < 2:
-        raise ValueError(f"Only {len(period)} visits before {params.split_date}: nothing to train on")
-    n_holdout = max(1, round(len(period) * params.holdout_fraction))
-    train, holdout = period[:-n_holdout], period[-n_holdout:]
-    if params.max_train_requests is not None:
-        train = train[-params.max_train_requests:]  # the most recent ones: longest histories
-    return train, holdout
 
 
 def _optimizers(model: HSTURecommender, params: TrainParams, extra: nn.Module | None = None,
@@ -398,83 +261,6 @@ def train(
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
-
-
-def trained_attention_window(params: TrainParams) -> int:
-    """The attention window a fresh model is trained and served with: what a candidate saw in training
-    (docs/model.md, "The attention window")."""
-    if params.attention_window is not None:
-        return params.attention_window
-    return params.max_history_events or 0
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = the whole window), got {value}")
-    return value
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The options that shape a fresh model (TrainParams.position_table_size, .video_hash_size,
-    .user_hash_size, .video_tags, .attention_window), for every script that trains."""
-    p.add_argument("--position_table_size", type=int, default=TrainParams.position_table_size,
-                   help="absolute position rows of a fresh model (default: the preset's; 1 = no absolute positions)")
-    p.add_argument("--video_hash_size", type=int, default=None, help="video id rows of a fresh model (default: the preset's)")
-    p.add_argument("--user_hash_size", type=int, default=None,
-                   help="user id rows of the user-taste term of a fresh model (default: the preset's; 0 = no term)")
-    p.add_argument("--attention_window", type=_non_negative_int, default=None,
-                   help="each query attends to its last N events and the prefix (default: the training crop, "
-                        "--max_history_events; 0 = the whole window); a checkpoint loaded without training "
-                        "is served through it instead of its own")
-    p.add_argument("--video_tags", action="store_true",
-                   help="embed each token's video tag (the dataset's video_tags.parquet)")
-
-
-def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
-    """How a model is trained (the TrainParams fields of `recipe_params`, but the batch size), for every
-    script that trains: the trainer and the quality benchmark train with the same options."""
-    d = TrainParams()
-    p.add_argument("--recipe", choices=tuple(RECIPES), default="default",
-                   help="a named set of the options below (model.train.RECIPES); options given explicitly win")
-    p.add_argument("--epochs", type=int, default=d.epochs, help="at most (early stopping on the holdout, see --select_on)")
-    p.add_argument("--patience", type=int, default=d.patience)
-    p.add_argument("--warmup_steps", type=int, default=d.warmup_steps)
-    p.add_argument("--max_history_events", type=int, default=d.max_history_events,
-                   help="training crops each visit's window to its last N events")
-    p.add_argument("--history_targets", type=int, default=d.history_targets,
-                   help="score each visit's last N history events as training targets too (each sees the events before it)")
-    p.add_argument("--dropout", type=float, default=d.dropout, help="dropout of the layers while training")
-    p.add_argument("--learning_rate", type=float, default=d.learning_rate)
-    p.add_argument("--embedding_learning_rate", type=float, default=d.embedding_learning_rate)
-    p.add_argument("--video_bias_learning_rate", type=float, default=d.video_bias_learning_rate)
-    p.add_argument("--taste_learning_rate", type=float, default=d.taste_learning_rate)
-    p.add_argument("--taste_l2", type=float, default=d.taste_l2, help="L2 on the user-taste rows a batch reads")
-    p.add_argument("--counter_learning_rate", type=float, default=d.counter_learning_rate)
-    p.add_argument("--candidate_terms_delay_epochs", type=int, default=d.candidate_terms_delay_epochs,
-                   help="epochs the candidate-only terms (video bias, user taste, counters) wait before they train")
-    p.add_argument("--next_item_loss_weight", type=float, default=d.next_item_loss_weight,
-                   help="weight of an auxiliary next-clicked-item loss on the history tokens (0: off)")
-    p.add_argument("--select_on", choices=SELECT_ON, default=d.select_on,
-                   help="the holdout score that picks the kept epoch")
-    p.add_argument("--video_l2", type=float, default=d.video_l2, help="L2 on the video rows a batch reads")
-    p.add_argument("--max_train_seconds", type=float, default=None)
-    add_model_arguments(p)
-
-
-def parse_recipe_arguments(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """`p.parse_args(argv)` with the chosen `--recipe`'s values as the defaults of its options."""
-    chosen = p.parse_known_args(argv)[0].recipe
-    p.set_defaults(**RECIPES[chosen])
-    return p.parse_args(argv)
-
-
-def recipe_params(args: argparse.Namespace, **fields) -> TrainParams:
-    """TrainParams from the options of `add_recipe_arguments`, with `fields` (preset, seed, ...) beside them."""
-    recipe = argparse.ArgumentParser(add_help=False)
-    add_recipe_arguments(recipe)
-    names = set(vars(recipe.parse_args([]))) - {"recipe"}
-    return TrainParams(**{name: getattr(args, name) for name in names}, **fields)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -102,7 +102,8 @@ def test_generated_tags_follow_the_clusters(tmp_path: Path):
 
 def test_training_with_tags_on_data_without_them_is_refused(tmp_path: Path):
     from data.dataset import InferenceDataset
-    from model.train import TrainParams, train
+    from model.train import train
+    from model.train_params import TrainParams
 
     preprocess(raw_dir(tmp_path / "a", None), tmp_path / "out", PreprocessParams(), progress=False)
     with pytest.raises(ValueError, match="has no video tags"):

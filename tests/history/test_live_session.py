@@ -11,8 +11,8 @@ from history.bootstrap import bootstrap_from_output, dataset_events
 from history.events import EventBatch
 from history.live_replay import live_steps, visits_of
 from history.sqlite_store import SQLiteHistoryStore
+from model.config import config_for_dataset
 from model.inference import InferenceSession
-from model.train import config_for_dataset
 from model.visit import Visit
 
 

@@ -178,7 +178,7 @@ def test_serving_allocates_no_host_memory_for_pages_after_warm_up():
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from data.dataset import InferenceDataset
-    from model.train import config_for_dataset
+    from model.config import config_for_dataset
 
     dataset = InferenceDataset(build_processed(tmp_path_factory.mktemp("prefetch")))
     model = sensitive_model(config_for_dataset("tiny", dataset), 0)

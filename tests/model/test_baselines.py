@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from data.dataset import InferenceDataset
+from data.schema import beijing_midnight_ms
 from helpers import REPO_ROOT, block_taste_events, build_processed, click_interactions, subprocess_env
 from model.baselines import (
     Baseline,
@@ -26,7 +27,6 @@ from model.baselines.registry import BASELINES
 from model.checkpoint import load_checkpoint
 from model.metrics import auc
 from model.quality import compare, fit_baselines, quality_split
-from model.train import date_to_ms
 
 
 def test_popularity_counts_the_tasks_positives():
@@ -155,7 +155,7 @@ def processed(tmp_path_factory):
 def test_quality_split_keeps_the_evaluation_period_unseen(processed):
     dataset = InferenceDataset(processed)
     split = quality_split(dataset, 20220422)
-    split_ms = date_to_ms(20220422)
+    split_ms = beijing_midnight_ms(20220422)
     assert np.all(dataset.requests.time_ms[split.eval_requests] >= split_ms)
     assert np.all(dataset.requests.time_ms[split.train_requests] < dataset.requests.time_ms[split.holdout_requests[0]])
     expected = int(dataset.requests.num_candidates[split.eval_requests].sum())
@@ -168,6 +168,22 @@ def test_quality_split_keeps_the_evaluation_period_unseen(processed):
     assert len(split.training_period_visits) == len(split.train_visits) + len(split.holdout_visits)
     with pytest.raises(ValueError, match=r"scores of shape \(3, 8\)"):
         compare(split, {"model": np.zeros((3, 8))})
+
+
+def test_compare_gives_each_model_its_click_margin_with_an_interval_over_users(processed):
+    split = quality_split(InferenceDataset(processed), 20220422)
+    popularity = next(b for b in BASELINES if b.name == ItemPopularity.name)
+    labels = split.eval_pairs.labels
+    rng = np.random.default_rng(0)
+    models = {"labels": labels + rng.normal(0, 1.0, labels.shape), "noise": rng.normal(0, 1, labels.shape)}
+    table = compare(split, models, baselines=(popularity,), progress=False, resamples=200)
+    for name in models:
+        interval = table.click_margin_intervals[name]
+        assert interval.estimate == pytest.approx(table.margin(name), abs=1e-12)
+        assert interval.groups == len(np.unique(split.eval_pairs.user_ids)) and interval.resamples == 200
+    assert table.click_margin_intervals["labels"].low > 0  # a scorer that reads the labels is surely better
+    assert table.click_margin_intervals["noise"].low < table.click_margin_intervals["noise"].estimate
+    assert compare(split, {}, baselines=(popularity,), progress=False).click_margin_intervals == {}
 
 
 def test_baselines_read_no_evaluation_label(processed):
@@ -206,9 +222,15 @@ def test_quality_benchmark_script(processed, tmp_path):
         assert run["training"]["candidates_per_second"] > 0
         assert run["click_best_baseline"]["name"] != "HSTU"
         assert run["click_margin"] == pytest.approx(run["auc"]["HSTU"]["click"] - run["click_best_baseline"]["auc"])
+        interval = run["click_margin_interval"]
+        assert interval["estimate"] == pytest.approx(run["click_margin"], abs=1e-12)
+        assert interval["low"] <= interval["estimate"] <= interval["high"] and interval["resamples"] == 1000
     margins = [run["click_margin"] for run in report["seeds"]]
     assert report["click_margin_min"] == min(margins)
     assert report["passes"] == sum(m >= report["click_margin_target"] for m in margins)
+    intervals = [run["click_margin_interval"] for run in report["seeds"]]
+    assert report["intervals_above_zero"] == sum(i["low"] > 0 for i in intervals)
+    assert "users" in result.stdout and "intervals: above zero on" in result.stdout
     assert "click: HSTU" in result.stdout and "candidates/s" in result.stdout and "over 2 seeds" in result.stdout
     for seed in (0, 3):
         assert load_checkpoint(tmp_path / "ckpt" / f"seed_{seed}").metadata["params"]["seed"] == seed

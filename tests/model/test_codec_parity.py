@@ -11,8 +11,8 @@ import torch
 from data.dataset import InferenceDataset
 from helpers import build_processed, sensitive_model
 from kvcache import KVCacheConfig, KVCacheManager
+from model.config import config_for_dataset
 from model.inference import InferenceSession
-from model.train import config_for_dataset
 
 # Claimed bounds of max |logit diff| against raw tiers (the replay measures them on trained models).
 LOGIT_TOLERANCE = {"bf16": 1e-3, "int8": 5e-3, "int8:mode=affine": 5e-3, "mixed": 5e-3}

@@ -35,7 +35,7 @@ def test_a_checkpoint_from_before_the_window_attends_to_its_whole_window():
 
 @pytest.mark.parametrize("crop, asked, served", [(128, None, 128), (None, None, 0), (128, 0, 0), (128, 64, 64)])
 def test_a_fresh_model_is_served_the_window_it_was_trained_on(crop, asked, served):
-    from model.train import TrainParams, trained_attention_window
+    from model.train_params import TrainParams, trained_attention_window
 
     assert trained_attention_window(TrainParams(max_history_events=crop, attention_window=asked)) == served
 
@@ -77,7 +77,7 @@ def test_the_quality_benchmark_refuses_a_bad_recipe_with_an_error_line(tmp_path,
 def test_recipe_options_reach_the_train_params():
     import argparse
 
-    from model.train import add_recipe_arguments, recipe_params
+    from model.train_arguments import add_recipe_arguments, recipe_params
 
     p = argparse.ArgumentParser()
     add_recipe_arguments(p)
@@ -90,7 +90,8 @@ def test_a_named_recipe_sets_the_defaults_and_explicit_options_win():
     import argparse
     import dataclasses
 
-    from model.train import RECIPES, TrainParams, add_recipe_arguments, parse_recipe_arguments, recipe_params
+    from model.train_arguments import add_recipe_arguments, parse_recipe_arguments, recipe_params
+    from model.train_params import RECIPES, TrainParams
 
     fields = {f.name for f in dataclasses.fields(TrainParams)}
     assert all(set(recipe) <= fields for recipe in RECIPES.values())

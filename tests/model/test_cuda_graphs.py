@@ -10,9 +10,9 @@ import torch
 
 from data.dataset import InferenceDataset
 from helpers import assert_logits_close, build_processed, make_cache, sensitive_model
+from model.config import config_for_dataset
 from model.cuda_graphs import CUDAGraphs
 from model.inference import InferenceSession
-from model.train import config_for_dataset
 
 
 def test_graphs_are_refused_off_cuda():

@@ -12,8 +12,8 @@ import torch
 from data.dataset import InferenceDataset
 from helpers import assert_logits_close, build_processed, make_cache, sensitive_model
 from kvcache.testing import append_batch, new_token_kv, token_kv
+from model.config import config_for_dataset
 from model.inference import InferenceSession
-from model.train import config_for_dataset
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,11 @@ from helpers import (
     tagged_model,
     tiny_config,
 )
+from model.config import config_for_dataset
 from model.next_item_loss import NextItemLoss, NextItemTargets
 from model.recommender import HSTURecommender
-from model.train import TrainParams, config_for_dataset, train
+from model.train import train
+from model.train_params import TrainParams
 
 
 def _batch(rng, config, lengths=(12, 20)):

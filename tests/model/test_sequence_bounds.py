@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from data.dataset import InferenceDataset
+from data.schema import DEFAULT_SPLIT_DATE
 from data.synthetic import generate, signal_config
 from helpers import REPO_ROOT, build_processed, subprocess_env
 from model.quality import quality_split
-from model.train import DEFAULT_SPLIT_DATE
 from model.video_tags import VideoTagTable
 from sequence_bounds import (
     AS_BAG,

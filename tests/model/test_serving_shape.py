@@ -14,9 +14,9 @@ import pytest
 from data.dataset import InferenceDataset
 from helpers import build_processed, make_cache, sensitive_model
 from model.attention import triton_attention
+from model.config import config_for_dataset
 from model.inference import InferenceSession
 from model.op_counter import OpCounter
-from model.train import config_for_dataset
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from data.dataset import InferenceDataset
 from helpers import assert_logits_close, build_processed, sensitive_model
 from kvcache import KVCacheConfig, KVCacheManager
 from model.checkpoint import model_fingerprint, save_checkpoint
+from model.config import config_for_dataset
 from model.inference import InferenceSession
-from model.train import config_for_dataset
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,11 @@ from data.dataset import InferenceDataset
 from data.schema import action_labels
 from helpers import Visit, build_processed, make_batch, random_histories, sensitive_model, tiny_config
 from model.checkpoint import load_checkpoint, save_checkpoint
+from model.config import config_for_dataset
 from model.evaluation import EarlyStopping, score_requests, window_batch
 from model.recommender import HSTURecommender
-from model.train import TRAINING_ATTENTION, TrainParams, config_for_dataset, split_requests, train
+from model.train import TRAINING_ATTENTION, train
+from model.train_params import TrainParams, split_requests
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,10 @@ from helpers import (
     serve,
     tiny_config,
 )
+from model.config import config_for_dataset
 from model.recommender import HSTURecommender
-from model.train import TrainParams, config_for_dataset, shuffled_batches, split_requests, train
+from model.train import shuffled_batches, train
+from model.train_params import TrainParams, split_requests
 
 
 def _history_projections(model: HSTURecommender, batch) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ def serving_artifacts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, P
     """(preprocessed data dir, checkpoint dir) of the tiny preset, with weights that make every token count."""
     from data.dataset import InferenceDataset
     from model.checkpoint import save_checkpoint
-    from model.train import config_for_dataset
+    from model.config import config_for_dataset
 
     root = tmp_path_factory.mktemp("serving")
     processed = build_processed(root)
