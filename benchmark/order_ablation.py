@@ -6,8 +6,9 @@
 Scores the visits from --split_date on (quality_benchmark.py's evaluated visits, video counters
 frozen at the split as there) with each visit's history as logged, shuffled within its window,
 cut to its last K events (--last_k) and removed, and prints per variant the click and long_view
-AUC and the mean |Δ click logit| against the logged history, also in units of the logged logits'
-spread. Exit 0; the JSON has every figure.
+AUC, the change of click AUC against the logged history with a 95% interval from a paired
+bootstrap over the users (--resamples), and the mean |Δ click logit| against the logged history,
+also in units of the logged logits' spread. Exit 0; the JSON has every figure.
 """
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--last_k", type=int, nargs="+", default=[0, 1, 16], help="window cuts to score (0: no event)")
     p.add_argument("--max_requests", type=int, default=None, help="score only the first N visits")
     p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0, help="of the shuffles")
+    p.add_argument("--seed", type=int, default=0, help="of the shuffles and the bootstrap")
+    p.add_argument("--resamples", type=int, default=1000, help="user resamples of the click AUC changes' intervals")
     p.add_argument("--attention_window", type=int, default=None,
                    help="serve the checkpoint through this sliding attention window, 0 = the whole window "
                         "(default: its own)")
     p.add_argument("--output", type=Path, help="JSON results")
     args = p.parse_args(argv)
+    if args.resamples < 1:
+        p.error(f"--resamples must be >= 1, got {args.resamples}")
     if any(k < 0 for k in args.last_k):
         p.error(f"--last_k must be >= 0, got {args.last_k}")
     if args.attention_window is not None and args.attention_window < 0:
@@ -55,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(indices) == 0:
         print(f"error: no visits on or after {args.split_date} in {args.data_dir}", file=sys.stderr)
         return 2
-    result = order_ablation(model, dataset, indices, args.batch_size, tuple(args.last_k), args.seed)
+    result = order_ablation(model, dataset, indices, args.batch_size, tuple(args.last_k), args.seed,
+                            resamples=args.resamples)
     print(format_ablation(result))
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,9 @@ Variants (full recompute of each visit's window):
     last K         the window cut to its last K events (K = 0: no event at all; the contextual prefix
                    and the candidate-only terms, which read the user's counters, remain)
 
-For each: per-task AUC and the mean |Δ logit| against "as logged" (click), beside the spread (std)
-of the logged click logits. A model whose scores hardly move when its history is shuffled or
+For each: per-task AUC, the change of click AUC against "as logged" with a paired bootstrap
+interval over the users (model/auc_interval.py), and the mean |Δ logit| against "as logged"
+(click), beside the spread (std) of the logged click logits. A model whose scores hardly move when its history is shuffled or
 removed does not use the history, and a KV cache of that history buys it nothing.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 from data.batch import VisitBatch
 from data.dataset import InferenceDataset
 from data.schema import TASKS
+from model.auc_interval import PairedInterval, paired_auc_difference
 from model.evaluation import ScoredCandidates, score_requests
 from model.metrics import per_task_auc
 from model.recommender import HSTURecommender
@@ -51,6 +53,9 @@ class VariantScore:
     auc: dict[str, float | None]  # per task
     mean_abs_delta: float  # mean |click logit - the logged history's click logit|
     click_auc: float | None
+    # click AUC minus the logged history's, with its interval over users (None for the logged history
+    # itself, or where no candidate, or every one, is clicked)
+    click_auc_change: PairedInterval | None = None
 
 
 @dataclass(frozen=True)
@@ -68,11 +73,18 @@ class OrderAblation:
         return {**asdict(self), "relative_delta": {name: self.relative_delta(name) for name in self.variants}}
 
 
+def _user_ids(dataset: InferenceDataset, indices: np.ndarray) -> np.ndarray:
+    """[M] the user of each candidate of `indices`, in request order."""
+    requests = dataset.requests
+    return np.repeat(requests.user_id[indices], requests.num_candidates[indices])
+
+
 def order_ablation(
     model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray, batch_size: int = 8,
-    last_k: tuple[int, ...] = (0, 1, 16), seed: int = 0, progress: bool = True,
+    last_k: tuple[int, ...] = (0, 1, 16), seed: int = 0, progress: bool = True, resamples: int = 1000,
 ) -> OrderAblation:
-    """Score `indices` as logged, shuffled (seeded) and cut to each K of `last_k`."""
+    """Score `indices` as logged, shuffled (seeded) and cut to each K of `last_k`; each variant's change
+    of click AUC gets an interval from `resamples` resamples of the users."""
     if any(k < 0 for k in last_k):
         raise ValueError(f"last_k must be >= 0, got {last_k}")
     rng = np.random.default_rng(seed)
@@ -86,20 +98,27 @@ def order_ablation(
     for k in last_k:
         runs[last_k_name(k)] = scored(last_k_name(k), max_history_events=k)
     logged = runs[AS_LOGGED].logits[:, CLICK]
+    clicks = runs[AS_LOGGED].labels[:, CLICK]
+    users = _user_ids(dataset, indices)
     variants = {}
     for name, run in runs.items():
         auc = per_task_auc(run.logits, run.labels, TASKS)
         delta = float(np.abs(run.logits[:, CLICK] - logged).mean()) if len(logged) else 0.0
-        variants[name] = VariantScore(auc, delta, auc.get("click"))
+        change = None
+        if name != AS_LOGGED and auc.get("click") is not None:
+            change = paired_auc_difference(run.logits[:, CLICK], logged, clicks, users, resamples=resamples, seed=seed)
+        variants[name] = VariantScore(auc, delta, auc.get("click"), change)
     return OrderAblation(variants, float(logged.std()) if len(logged) else 0.0, len(indices), len(logged))
 
 
 def format_ablation(result: OrderAblation) -> str:
-    lines = [f"{'history':<16}{'click AUC':>11}{'long_view AUC':>15}{'mean |Δ logit|':>16}{'/ logit std':>13}"]
+    lines = [f"{'history':<16}{'click AUC':>11}{'Δ click AUC (95% over users)':>32}{'long_view AUC':>15}"
+             f"{'mean |Δ logit|':>16}{'/ logit std':>13}"]
     for name, v in result.variants.items():
-        cells = [v.click_auc, v.auc.get("long_view")]
-        aucs = "".join(f"{'n/a' if a is None else f'{a:.4f}':>{w}}" for a, w in zip(cells, (11, 15)))
-        lines.append(f"{name:<16}{aucs}{v.mean_abs_delta:>16.4f}{result.relative_delta(name):>13.3f}")
+        c = v.click_auc_change
+        change = "" if c is None else f"{c.estimate:+.4f} [{c.low:+.4f}, {c.high:+.4f}]"
+        cells = [f"{'n/a' if a is None else f'{a:.4f}':>{w}}" for a, w in ((v.click_auc, 11), (v.auc.get("long_view"), 15))]
+        lines.append(f"{name:<16}{cells[0]}{change:>32}{cells[1]}{v.mean_abs_delta:>16.4f}{result.relative_delta(name):>13.3f}")
     lines.append(f"click logit std (as logged): {result.click_logit_std:.4f} over {result.num_candidates} candidates "
                  f"of {result.num_requests} visits")
     return "\n".join(lines)
