@@ -34,6 +34,7 @@ from tqdm import tqdm
 from data.dataset import InferenceDataset
 from data.schema import DEFAULT_SPLIT_DATE, TASKS, beijing_midnight_ms
 from model.auc_interval import paired_auc_difference
+from model.baselines.affinity import logistic_fit
 from model.baselines.registry import BASELINES
 from model.checkpoint import load_checkpoint
 from model.evaluation import score_requests
@@ -91,19 +92,6 @@ def probe(dataset: InferenceDataset, tags: VideoTagTable, window: int, split_dat
             "same_tag_events": auc(counts.same_tag.astype(float), y),
             "same_tag_click_rate": auc((counts.same_tag_clicks + 1) / (counts.same_tag + 2), y),
             "user_click_rate": auc(np.where(counts.events > 0, counts.clicks / np.maximum(counts.events, 1), 0.0), y)}
-
-
-def logistic_fit(design: np.ndarray, labels: np.ndarray, l2: float = 1e-4, steps: int = 30) -> np.ndarray:
-    """Weights [F + 1] (intercept last) of a logistic regression of `labels` [n] on `design` [n, F], by
-    Newton's method on the standardised columns (a small L2 keeps separable data finite)."""
-    mean, std = design.mean(0), design.std(0) + 1e-12
-    x = np.column_stack([(design - mean) / std, np.ones(len(design))])
-    w = np.zeros(x.shape[1])
-    for _ in range(steps):
-        p = 1.0 / (1.0 + np.exp(-(x @ w)))
-        hessian = (x * (p * (1 - p))[:, None]).T @ x + l2 * len(x) * np.eye(len(w))
-        w -= np.linalg.solve(hessian, x.T @ (p - labels) + l2 * len(x) * w)
-    return np.r_[w[:-1] / std, w[-1] - (w[:-1] * mean / std).sum()]
 
 
 def cross_fitted_stack(scores: np.ndarray, features: np.ndarray, labels: np.ndarray, users: np.ndarray) -> np.ndarray:

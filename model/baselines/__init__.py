@@ -6,6 +6,7 @@
     implicit_feedback.py  ALS, BPR and item-kNN from the `implicit` library
     markov.py             last-items Markov transitions (sequential)
     sasrec.py             a SASRec-style self-attentive model (sequential)
+    affinity.py           a logistic regression over the user's affinity to the candidate's kind (sequential)
     tuning.py             grid search on the holdout's click AUC, then one refit
     registry.py           the set model/quality.py compares, with their grids
 
@@ -13,6 +14,7 @@ Pair scorers learn from events before the holdout (tuning) or the split date (th
 (user, video) pairs; sequential ones also read each user's events before the visit they score,
 as the HSTU does when serving, never the scored visit's candidates or anything after it.
 """
+from model.baselines.affinity import AffinityRegression
 from model.baselines.base import Interactions, PairScorer, Visits, VisitScorer
 from model.baselines.counts import ItemPopularity, UserKNN
 from model.baselines.factorization import MatrixFactorization
@@ -22,7 +24,8 @@ from model.baselines.sasrec import SASRec
 from model.baselines.tuning import Baseline, Tuned, TuningData, grid, tune
 
 __all__ = [
-    "Baseline", "ImplicitALS", "ImplicitBPR", "Interactions", "ItemKNN", "ItemPopularity", "LastItemsMarkov",
+    "AffinityRegression", "Baseline", "ImplicitALS", "ImplicitBPR", "Interactions", "ItemKNN", "ItemPopularity",
+    "LastItemsMarkov",
     "MatrixFactorization", "PairScorer", "SASRec", "Tuned", "TuningData", "UserKNN", "VisitScorer", "Visits",
     "grid", "tune",
 ]

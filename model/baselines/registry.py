@@ -5,6 +5,7 @@ the whole set fits in minutes on the demo data. docs/model.md lists them with wh
 """
 from __future__ import annotations
 
+from model.baselines.affinity import AffinityRegression
 from model.baselines.counts import ItemPopularity, UserKNN
 from model.baselines.factorization import MatrixFactorization
 from model.baselines.implicit_feedback import SIGNALS, WEIGHTINGS, ImplicitALS, ImplicitBPR, ItemKNN
@@ -27,4 +28,5 @@ BASELINES: tuple[Baseline, ...] = (
     Baseline(LastItemsMarkov, grid(**_MARKOV), tag_grid=grid(**_MARKOV, level=("tag",))),
     Baseline(SASRec, grid(blocks=(1, 2), dropout=(0.1, 0.3)), seeded=True,
              tag_grid=grid(blocks=(1, 2), dropout=(0.1, 0.3), level=("tag",))),
+    Baseline(AffinityRegression, grid(last_events=(10, 50)), tag_grid=grid(last_events=(10, 50), level=("tag",))),
 )

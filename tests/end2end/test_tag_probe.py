@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from tag_probe import cross_fitted_stack, logistic_fit, main, probe
+from tag_probe import cross_fitted_stack, main, probe
 
 from data.dataset import InferenceDataset
 from helpers import build_processed
+from model.baselines.affinity import logistic_fit
 from model.metrics import auc
 from model.video_tags import VideoTagTable
 
