@@ -36,6 +36,7 @@ from model.attention import BlockedAttention
 from model.checkpoint import save_checkpoint
 from model.config import PRESET_NAMES, config_for_dataset
 from model.evaluation import EarlyStopping, score_requests, window_batch
+from model.features import VIDEO_TAG
 from model.metrics import per_task_auc, selection_score
 from model.next_item_loss import NextItemLoss, NextItemTargets
 from model.recommender import HSTURecommender, ModelInputs
@@ -49,6 +50,18 @@ log = logging.getLogger(__name__)
 TRAINING_ATTENTION = BlockedAttention(query_block=128, key_block=128)
 # Marks the optimiser groups of the candidate-only terms (TrainParams.candidate_terms_delay_epochs).
 CANDIDATE_TERM = "candidate_term"
+
+
+def initialise(model: HSTURecommender, params: TrainParams) -> None:
+    """The start `params` asks of a fresh model (TrainParams.tag_embedding_std, .tied_query_key_init)."""
+    with torch.no_grad():
+        if params.tag_embedding_std is not None:
+            model.embedder.collection.embeddings[f"table_{VIDEO_TAG}"].weight.normal_(std=params.tag_embedding_std)
+        if params.tied_query_key_init:
+            for layer in model.layers:
+                for tensor in (layer.uvqk.weight, layer.uvqk.bias):
+                    _, _, query, key = tensor.chunk(4, dim=0)  # the rows of u, v, q and k (views)
+                    key.copy_(query)
 
 
 def _optimizers(model: HSTURecommender, params: TrainParams, extra: nn.Module | None = None,
@@ -183,6 +196,7 @@ def train(
         if tags is not None:
             config = config.replace(num_video_tags=tags.num_rows)
         model = HSTURecommender(config, device=params.device, video_tags=tags)
+        initialise(model, params)
     # The blocked torch path: the Triton kernel computes forwards only (it has no backward).
     serving_backend, model.attention_backend = model.attention_backend, TRAINING_ATTENTION
     started = time.perf_counter()

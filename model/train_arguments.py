@@ -23,7 +23,8 @@ def _non_negative_int(text: str) -> int:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The options that shape a fresh model (TrainParams.position_table_size, .video_hash_size,
-    .user_hash_size, .video_tags, .attention_window), for every script that trains."""
+    .user_hash_size, .video_tags, .attention_window, .tag_embedding_std, .tied_query_key_init), for every
+    script that trains."""
     p.add_argument("--position_table_size", type=int, default=TrainParams.position_table_size,
                    help="absolute position rows of a fresh model (default: the preset's; 1 = no absolute positions)")
     p.add_argument("--video_hash_size", type=int, default=None, help="video id rows of a fresh model (default: the preset's)")
@@ -35,6 +36,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "is served through it instead of its own")
     p.add_argument("--video_tags", action="store_true",
                    help="embed each token's video tag (the dataset's video_tags.parquet)")
+    p.add_argument("--tag_embedding_std", type=float, default=None,
+                   help="draw a fresh model's tag table at this std (default: 0.02, as every table; needs --video_tags)")
+    p.add_argument("--tied_query_key_init", action="store_true",
+                   help="start each layer's key projection as a copy of its query projection")
 
 
 def add_recipe_arguments(p: argparse.ArgumentParser) -> None:

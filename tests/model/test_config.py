@@ -81,9 +81,11 @@ def test_recipe_options_reach_the_train_params():
 
     p = argparse.ArgumentParser()
     add_recipe_arguments(p)
-    params = recipe_params(p.parse_args(["--attention_window", "64", "--learning_rate", "3e-4", "--video_tags"]),
-                           seed=5)
+    params = recipe_params(p.parse_args(["--attention_window", "64", "--learning_rate", "3e-4", "--video_tags",
+                                         "--tag_embedding_std", "0.5", "--tied_query_key_init"]), seed=5)
     assert (params.attention_window, params.learning_rate, params.video_tags, params.seed) == (64, 3e-4, True, 5)
+    assert (params.tag_embedding_std, params.tied_query_key_init) == (0.5, True)
+    assert recipe_params(p.parse_args([])).tied_query_key_init is False
 
 
 def test_a_named_recipe_sets_the_defaults_and_explicit_options_win():

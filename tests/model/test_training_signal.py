@@ -195,6 +195,49 @@ def test_trainer_embeds_the_datasets_video_tags(dataset, tmp_path):
     assert without.config.num_video_tags == 0 and without.video_tags is None
 
 
+def test_the_tag_matching_start_ties_keys_to_queries_and_widens_the_tag_table(dataset, monkeypatch):
+    """`initialise`: the key rows of every layer's projection become its query rows (so q.k starts as a
+    similarity of the two tokens) and the tag table is drawn at the std asked; the trainer applies it to a
+    fresh model, before the first step."""
+    from model.features import VIDEO_TAG
+    from model.train import initialise
+    from model.video_tags import VideoTagTable
+
+    params = TrainParams(preset="tiny", video_tags=True, tag_embedding_std=0.5, tied_query_key_init=True)
+    tags = VideoTagTable.from_dataset_dir(dataset.root)
+    config = config_for_dataset("tiny", dataset).replace(num_video_tags=tags.num_rows)
+    torch.manual_seed(0)
+    model = HSTURecommender(config, video_tags=tags)
+    before = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    initialise(model, params)
+    for layer in model.layers:
+        for tensor in (layer.uvqk.weight, layer.uvqk.bias):
+            u, v, q, k = tensor.chunk(4, dim=0)
+            torch.testing.assert_close(k, q, rtol=0, atol=0)
+            assert not torch.equal(q, u) and not torch.equal(q, v)
+    table = f"embedder.collection.embeddings.table_{VIDEO_TAG}.weight"
+    assert 0.4 < model.state_dict()[table].std() < 0.6 and before[table].std() < 0.05
+    unchanged = [n for n in before if "uvqk" not in n and n != table]
+    assert all(torch.equal(before[n], model.state_dict()[n]) for n in unchanged)  # nothing else moves
+
+    plain = HSTURecommender(config, video_tags=tags)
+    plain_state = {name: t.detach().clone() for name, t in plain.state_dict().items()}
+    initialise(plain, TrainParams(preset="tiny"))  # neither option: the model as built
+    assert all(torch.equal(plain_state[n], plain.state_dict()[n]) for n in plain_state)
+
+    seen = []
+    monkeypatch.setattr("model.train.initialise", lambda m, p: seen.append(p))
+    train(dataset, replace(params, epochs=1, batch_size=8, max_train_requests=8))
+    assert seen and seen[0].tied_query_key_init
+
+
+def test_a_tag_table_std_needs_tags_and_a_positive_value():
+    with pytest.raises(ValueError, match=r"tag_embedding_std must be > 0 and needs video_tags, got 0\.5 with video_tags=False"):
+        TrainParams(tag_embedding_std=0.5)
+    with pytest.raises(ValueError, match=r"got 0\.0 with video_tags=True"):
+        TrainParams(tag_embedding_std=0.0, video_tags=True)
+
+
 def test_trainer_id_row_overrides_reach_the_model(dataset):
     params = TrainParams(preset="tiny", epochs=1, batch_size=8, seed=0, max_train_requests=16,
                          video_hash_size=1, user_hash_size=0)
