@@ -29,6 +29,7 @@ from data.schema import TASKS
 from model.auc_interval import PairedInterval, paired_auc_difference
 from model.evaluation import ScoredCandidates, score_requests
 from model.metrics import per_task_auc
+from model.quality import candidate_users
 from model.recommender import HSTURecommender
 
 AS_LOGGED, SHUFFLED = "as logged", "shuffled"
@@ -73,12 +74,6 @@ class OrderAblation:
         return {**asdict(self), "relative_delta": {name: self.relative_delta(name) for name in self.variants}}
 
 
-def _user_ids(dataset: InferenceDataset, indices: np.ndarray) -> np.ndarray:
-    """[M] the user of each candidate of `indices`, in request order."""
-    requests = dataset.requests
-    return np.repeat(requests.user_id[indices], requests.num_candidates[indices])
-
-
 def order_ablation(
     model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray, batch_size: int = 8,
     last_k: tuple[int, ...] = (0, 1, 16), seed: int = 0, progress: bool = True, resamples: int = 1000,
@@ -99,7 +94,7 @@ def order_ablation(
         runs[last_k_name(k)] = scored(last_k_name(k), max_history_events=k)
     logged = runs[AS_LOGGED].logits[:, CLICK]
     clicks = runs[AS_LOGGED].labels[:, CLICK]
-    users = _user_ids(dataset, indices)
+    users = candidate_users(dataset, indices)
     variants = {}
     for name, run in runs.items():
         auc = per_task_auc(run.logits, run.labels, TASKS)

@@ -85,10 +85,14 @@ def events_before(dataset: InferenceDataset, time_ms: int) -> Interactions:
 
 def candidate_pairs(dataset: InferenceDataset, indices: np.ndarray) -> Interactions:
     """The candidates of requests `indices` in request order (the order the model's logits come in)."""
-    events, req = dataset.event_arrays(), dataset.requests
+    events = dataset.event_arrays()
     flat = candidate_events(dataset, indices)
-    users = np.repeat(req.user_id[indices], req.num_candidates[indices])
-    return Interactions(users, events.video_ids[flat], action_labels(events.action_weights[flat]))
+    return Interactions(candidate_users(dataset, indices), events.video_ids[flat], action_labels(events.action_weights[flat]))
+
+
+def candidate_users(dataset: InferenceDataset, indices: np.ndarray) -> np.ndarray:
+    """[M] the user of each candidate of requests `indices`, in request order."""
+    return np.repeat(dataset.requests.user_id[indices], dataset.requests.num_candidates[indices])
 
 
 def candidate_events(dataset: InferenceDataset, indices: np.ndarray) -> np.ndarray:

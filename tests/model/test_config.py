@@ -108,3 +108,20 @@ def test_a_named_recipe_sets_the_defaults_and_explicit_options_win():
     overridden = params("--recipe", "sequence", "--learning_rate", "1e-3")
     assert overridden.learning_rate == 1e-3 and overridden.history_targets == RECIPES["sequence"]["history_targets"]
     assert params() == TrainParams() == params("--recipe", "default")
+
+
+def test_the_benchmarks_refuse_bad_interval_and_baseline_options(tmp_path, capsys):
+    from benchmark.quality_benchmark import main as quality_main
+    from benchmark.tag_probe import main as probe_main
+
+    output = tmp_path / "q.json"
+    with pytest.raises(SystemExit):
+        quality_main(["--data_dir", str(tmp_path), "--resamples", "0", "--output", str(output)])
+    assert "--resamples must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        probe_main(["--data_dir", str(tmp_path), "--baselines", "random forest", "--output", str(output)])
+    assert "--baselines: unknown baseline 'random forest'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        probe_main(["--data_dir", str(tmp_path), "--stack_windows", "0", "--output", str(output)])
+    assert "--stack_windows and --resamples must be >= 1" in capsys.readouterr().err
+    assert not output.exists()
