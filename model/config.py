@@ -28,6 +28,8 @@ class HSTUConfig:
     # offset per bucket of query-key distance in positions and in seconds; 0 buckets = no such bias.
     num_position_buckets: int = 0
     num_time_buckets: int = 0
+    # A per-head offset in the attention when a key's video tag is the query's (needs num_video_tags).
+    tag_match_bias: bool = False
     window_stride: int = 1024  # a window restart moves the window start by multiples of this (events)
     # Sliding-window attention (model/attention/base.py KeyWindow): each query sees its last
     # attention_window keys and the contextual prefix; 0 = every key of the window. A model trained on
@@ -73,6 +75,7 @@ class HSTUConfig:
             "num_time_gap_buckets must be >= 1": self.num_time_gap_buckets >= 1,
             "video_hash_size must be >= 1": self.video_hash_size >= 1,
             "num_video_tags must be >= 0": self.num_video_tags >= 0,
+            "tag_match_bias needs video tags (num_video_tags > 0)": not self.tag_match_bias or self.num_video_tags > 0,
             "user_hash_size must be >= 0": self.user_hash_size >= 0,
             "user_factor_dim must be >= 1": self.user_factor_dim >= 1,
             "counter_buckets must be >= 0": self.counter_buckets >= 0,

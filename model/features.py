@@ -11,8 +11,10 @@ the row each token takes in the layer input.
 All of them depend only on the token's own event (and the one before it), never on the
 batch or on the current time, which is what keeps cached K/V valid.
 
-Each row also has a time (`query_times`, the relative attention bias reads it): an event's own
-timestamp, a candidate's request time, none (`NO_TIME`) for a prefix token or a padding row.
+Each row also has a stamp (`query_stamps`, the relative attention bias reads it): an event's own
+timestamp, a candidate's request time, none (`NO_STAMP`) for a prefix token or a padding row; with
+a tag-match bias (`config.tag_match_bias`), the video's tag row packed above the time
+(model/attention/token_stamp.py).
 
 Row layout of the layer input x [T, d]: first the history tokens of every user in batch order
 (each user's prefix, if this visit opens its window, then its computed events), then the
@@ -26,7 +28,7 @@ import numpy as np
 
 from data.batch import VisitBatch
 from data.jagged import offsets, row_ids_and_ranks
-from model.attention.relative_bias import NO_TIME
+from model.attention.token_stamp import NO_STAMP, token_stamps
 from model.batch_shape import BatchShape
 from model.config import UNKNOWN_ACTION_ID, HSTUConfig
 from model.counter_features import counter_inputs
@@ -67,7 +69,7 @@ class TokenFeatures:
     candidate_video_ids: np.ndarray  # [shape.candidate_rows] hashed video id of each candidate row (0: padding)
     candidate_user_ids: np.ndarray  # [shape.candidate_rows] hashed user id of each candidate row (0: padding)
     candidate_counters: dict[str, np.ndarray]  # the counter term's arrays (model/counter_features.py), candidate rows
-    query_times: np.ndarray  # [shape.num_rows + 1] time (ms) of each row of x; NO_TIME for prefix and padding rows
+    query_stamps: np.ndarray  # [shape.num_rows + 1] stamp of each row of x; NO_STAMP for prefix and padding rows
     shape: BatchShape  # x has shape.num_rows rows (+ the scratch row)
 
 
@@ -126,9 +128,10 @@ def token_features(
     candidate_user_ids = np.zeros(shape.candidate_rows, dtype=np.int64)
     candidate_user_ids[:n_cands] = np.remainder(batch.user_ids[cand_rows], max(config.user_hash_size, 1))
     candidate_counters = counter_inputs(batch.candidate_counters, shape.candidate_rows, config.counter_buckets)
-    query_times = np.full(shape.num_rows + 1, NO_TIME, dtype=np.int64)
-    query_times[event_token_rows] = batch.timestamps_ms
-    query_times[shape.history_rows : shape.history_rows + n_cands] = times
+    event_tags, candidate_tags = ids[VIDEO_TAG] if config.tag_match_bias else (None, None)
+    query_stamps = np.full(shape.num_rows + 1, NO_STAMP, dtype=np.int64)
+    query_stamps[event_token_rows] = token_stamps(batch.timestamps_ms, event_tags)
+    query_stamps[shape.history_rows : shape.history_rows + n_cands] = token_stamps(times, candidate_tags)
     if shape != exact:  # fixed lengths: a bucket's token count bounds N + M, its user count P
         pad_tokens, pad_users = shape.num_rows - len(token_rows), shape.users - len(opening)
         token_ids = {name: np.pad(ids, (0, pad_tokens)) for name, ids in token_ids.items()}
@@ -136,4 +139,4 @@ def token_features(
         prefix_ids = np.pad(prefix_ids, ((0, pad_users), (0, 0)))
         prefix_rows = np.pad(prefix_rows, ((0, pad_users), (0, 0)), constant_values=shape.scratch_row)
     return TokenFeatures(token_ids, token_rows, prefix_ids, prefix_rows, candidate_video_ids, candidate_user_ids,
-                         candidate_counters, query_times, shape)
+                         candidate_counters, query_stamps, shape)

@@ -1,12 +1,13 @@
 """The HSTU layer, on a batch's token rows.
 
     x̂ = LN(x);   u, v, q, k = split(SiLU(x̂ W + b))
-    A_ij = SiLU(α q_i·k_j + rab_p(i - j) + rab_t(t_i - t_j)) / N
+    A_ij = SiLU(α q_i·k_j + rab_p(i - j) + rab_t(t_i - t_j) + [tag_i == tag_j] rab_tag) / N
                                       α = 1/sqrt(head_dim), N = config.max_seq_len (fixed)
     out  = x + W_o(u ⊙ LN(A V))
 
-rab_p and rab_t are the layer's relative position and time bias (model/attention/relative_bias.py;
-absent when the config has no buckets for them). With `config.attention_window` = K, query i sees
+rab_p and rab_t are the layer's relative position and time bias, rab_tag its per-head offset for a
+key of the query's video tag (model/attention/relative_bias.py; absent when the config has no
+buckets for them, or no tag match). With `config.attention_window` = K, query i sees
 only keys j > i - K (its last K keys) and the contextual prefix: the view of a long history that a
 model trained on K-event crops was trained on.
 
@@ -44,7 +45,8 @@ class HSTULayer(nn.Module):
         self.output = nn.Linear(a, config.hidden_dim)
         self.dropout = nn.Dropout(config.dropout)
         buckets = (config.num_position_buckets, config.num_time_buckets)
-        self.relative_bias = RelativeAttentionBias(config.num_heads, *buckets) if any(buckets) else None
+        self.relative_bias = (RelativeAttentionBias(config.num_heads, *buckets, tag_match=config.tag_match_bias)
+                              if any(buckets) or config.tag_match_bias else None)
 
     def forward(
         self,

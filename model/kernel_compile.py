@@ -40,7 +40,7 @@ _DIVISIBLE = [["tt.divisibility", 16]]
 
 @dataclass(frozen=True)
 class CompiledVariant:
-    kernel: str  # "hstu_attention", "kv_append" or "int8_decode" (+ "_u8_low" for codes with a low)
+    kernel: str  # "hstu_attention" (+ "_tag_match"), "kv_append" or "int8_decode" (+ "_u8_low" for codes with a low)
     dtype: str
     head_dim: int  # 0 for kv_append (its row width is a runtime argument)
     page_size: int
@@ -101,8 +101,8 @@ def _attention_signature(dtype: torch.dtype) -> tuple[dict[str, str], set[str]]:
     from model.attention.triton_attention import _hstu_attention_kernel as kernel
 
     t = _TRITON_TYPES[dtype]
-    pointers = {"Q": t, "K": t, "V": t, "KEYS": t, "VALUES": t, "OUT": "fp32", "QUERY_TIMES": "i64", "KEY_TIMES": "i64",
-                "POSITION_BIAS": "fp32", "TIME_BIAS": "fp32"}
+    pointers = {"Q": t, "K": t, "V": t, "KEYS": t, "VALUES": t, "OUT": "fp32", "QUERY_STAMPS": "i64", "KEY_STAMPS": "i64",
+                "POSITION_BIAS": "fp32", "TIME_BIAS": "fp32", "TAG_BIAS": "fp32"}
     signature, divisible = {}, set()
     for param in kernel.params:
         name = param.name
@@ -124,21 +124,24 @@ def _attention_signature(dtype: torch.dtype) -> tuple[dict[str, str], set[str]]:
     return signature, divisible
 
 
-def attention_variants() -> list[tuple[int, int, int]]:
-    """(head_dim, position_buckets, time_buckets) of every preset."""
+def attention_variants() -> list[tuple[int, int, int, bool]]:
+    """(head_dim, position_buckets, time_buckets, tag_match) of every preset, with and without the tag
+    match (a preset trained on a catalogue with tags may have it)."""
     from model.config import PRESET_NAMES, preset
 
-    return sorted({(c.head_dim, c.num_position_buckets, c.num_time_buckets) for c in map(preset, PRESET_NAMES)})
+    shapes = {(c.head_dim, c.num_position_buckets, c.num_time_buckets) for c in map(preset, PRESET_NAMES)}
+    return sorted((*shape, tag_match) for shape in shapes for tag_match in (False, True))
 
 
-def compile_attention(head_dim: int, dtype: torch.dtype, page_size: int, position_buckets: int, time_buckets: int
-                      ) -> CompiledVariant:
+def compile_attention(head_dim: int, dtype: torch.dtype, page_size: int, position_buckets: int, time_buckets: int,
+                      tag_match: bool = False) -> CompiledVariant:
     from model.attention import triton_attention
 
     constants = triton_attention.kernel_constants(page_size, head_dim, dtype, position_buckets, time_buckets,
-                                                  interpreted=False)
+                                                  tag_match, interpreted=False)
     signature, divisible = _attention_signature(dtype)
-    return _compile("hstu_attention", triton_attention._hstu_attention_kernel, signature, constants.constexprs(),
+    name = "hstu_attention" + ("_tag_match" if tag_match else "")
+    return _compile(name, triton_attention._hstu_attention_kernel, signature, constants.constexprs(),
                     divisible, constants.num_warps, constants.num_stages, dtype, head_dim, page_size,
                     triton_attention.allowed_splits())
 
@@ -187,14 +190,14 @@ def compile_all() -> Iterator[CompiledVariant]:
     """Every variant a deployment of the presets launches, compiled for SM90 (one at a time)."""
     for dtype in DTYPES.values():
         yield compile_kv_append(dtype)
-    for head_dim in sorted({head_dim for head_dim, _, _ in attention_variants()}):
+    for head_dim in sorted({variant[0] for variant in attention_variants()}):
         for dtype in DTYPES.values():
             for has_low in (False, True):
                 yield compile_int8_decode(dtype, head_dim, has_low)
-    for head_dim, position_buckets, time_buckets in attention_variants():
+    for head_dim, position_buckets, time_buckets, tag_match in attention_variants():
         for dtype in DTYPES.values():
             for page_size in SERVING_PAGE_SIZES:
-                yield compile_attention(head_dim, dtype, page_size, position_buckets, time_buckets)
+                yield compile_attention(head_dim, dtype, page_size, position_buckets, time_buckets, tag_match)
 
 
 def main(argv: list[str] | None = None) -> int:

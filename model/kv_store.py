@@ -34,9 +34,10 @@ class KVStore(Protocol):
         """Arrays the store needs on the device (packed into the batch's one upload)."""
         ...
 
-    def key_times(self, query_times: Tensor, num_history_rows: int, device_inputs: Mapping[str, Tensor]) -> Tensor:
-        """Store the new history tokens' times (rows [0, num_history_rows) of query_times [T + 1] int64) and
-        return the time of every key row attention reads ([R] int64, indexed by `addressing`). Once per forward."""
+    def key_stamps(self, query_stamps: Tensor, num_history_rows: int, device_inputs: Mapping[str, Tensor]) -> Tensor:
+        """Store the new history tokens' stamps (time and tag, model/attention/token_stamp.py: rows
+        [0, num_history_rows) of query_stamps [T + 1] int64) and return the stamp of every key row attention
+        reads ([R] int64, indexed by `addressing`). Once per forward."""
         ...
 
     def layer_kv(
@@ -67,8 +68,8 @@ class FullRecompute:
     def host_inputs(self, shape: BatchShape) -> dict[str, np.ndarray]:
         return {}
 
-    def key_times(self, query_times, num_history_rows, device_inputs):
-        return query_times
+    def key_stamps(self, query_stamps, num_history_rows, device_inputs):
+        return query_stamps
 
     def layer_kv(self, layer, k, v, num_history_rows, device_inputs):
         return k, v
@@ -116,10 +117,11 @@ class PagedKV:
             slots = np.pad(slots, (0, padding), constant_values=self.sink_slot)
         return {"kv.new_token_slots": slots}
 
-    def key_times(self, query_times, num_history_rows, device_inputs):
-        times = self._cache.times_cache()  # [num_pages, page_size]; onloaded times ready
-        paged_kvcache_ops.append_times(times, query_times[:num_history_rows], device_inputs["kv.new_token_slots"])
-        return times.view(-1)
+    def key_stamps(self, query_stamps, num_history_rows, device_inputs):
+        # The pool's per-slot int64 ("times" to the cache, which never reads them) holds the model's stamps.
+        stamps = self._cache.times_cache()  # [num_pages, page_size]; onloaded stamps ready
+        paged_kvcache_ops.append_times(stamps, query_stamps[:num_history_rows], device_inputs["kv.new_token_slots"])
+        return stamps.view(-1)
 
     def layer_kv(self, layer, k, v, num_history_rows, device_inputs):
         k_pages, v_pages = self._cache.k_cache(layer), self._cache.v_cache(layer)  # [num_pages, page_size, H, D]; ready

@@ -127,7 +127,7 @@ class HSTURecommender(nn.Module):
         features = token_features(self.config, self.layout, batch, spans, shape, self._video_tags)
         plan = self._plan_attention(spans, batch, kv, features.shape, bucketed=shape is not None)
         arrays = {**self.embedder.host_inputs(features), **attention.host_inputs(plan), **kv.host_inputs(features.shape),
-                  "query_times": features.query_times}
+                  "query_stamps": features.query_stamps}
         device_inputs = self._staging_for(self.device).upload(arrays)
         return ModelInputs(features, BatchAttention.from_device(plan, device_inputs), device_inputs)
 
@@ -146,9 +146,9 @@ class HSTURecommender(nn.Module):
         the history queries, which only training's next-item loss reads: model/next_item_loss.py)."""
         kv = kv if kv is not None else FullRecompute(inputs.attention.plan.batch.num_users)
         x = self.embedder(inputs.device_inputs, inputs.features).to(self.dtype)  # [T, d]
-        query_times = inputs.device_inputs["query_times"]  # [T + 1]
-        key_times = kv.key_times(query_times, inputs.attention.plan.num_history_rows, inputs.device_inputs)  # [R]
-        bias_inputs = BiasInputs(query_times, key_times)
+        query_stamps = inputs.device_inputs["query_stamps"]  # [T + 1]
+        key_stamps = kv.key_stamps(query_stamps, inputs.attention.plan.num_history_rows, inputs.device_inputs)  # [R]
+        bias_inputs = BiasInputs(query_stamps, key_stamps)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, inputs.attention, kv, inputs.device_inputs, history_outputs_needed=history_rows or i < last,

@@ -53,8 +53,12 @@ CANDIDATE_TERM = "candidate_term"
 
 
 def initialise(model: HSTURecommender, params: TrainParams) -> None:
-    """The start `params` asks of a fresh model (TrainParams.tag_embedding_std, .tied_query_key_init)."""
+    """The start `params` asks of a fresh model (TrainParams.tag_embedding_std, .tied_query_key_init,
+    .tag_match_prior)."""
     with torch.no_grad():
+        if params.tag_match_prior is not None:
+            for layer in model.layers:
+                layer.relative_bias.tag_match.fill_(params.tag_match_prior)
         if params.tag_embedding_std is not None:
             model.embedder.collection.embeddings[f"table_{VIDEO_TAG}"].weight.normal_(std=params.tag_embedding_std)
         if params.tied_query_key_init:
@@ -68,7 +72,9 @@ def _optimizers(model: HSTURecommender, params: TrainParams, extra: nn.Module | 
                 ) -> tuple[list[torch.optim.Optimizer], list[nn.Parameter]]:
     """SparseAdam for the embedding tables (a step costs the rows a batch touches, and a rare
     video's row moves at the full rate whenever it is seen), AdamW for the dense layers and for
-    `extra`'s parameters (a training-only loss module) at the layers' rate."""
+    `extra`'s parameters (a training-only loss module) at the layers' rate, and for the relative
+    bias tables at `params.bias_learning_rate` when set (a table entry is one scalar offset: at the
+    layers' rate it would stay where its prior put it)."""
     token_tables = list(model.embedder.collection.embeddings.values())
     taste_tables = model.user_taste.tables() if model.user_taste is not None else []
     for table in _sparse_tables(model):
@@ -79,16 +85,20 @@ def _optimizers(model: HSTURecommender, params: TrainParams, extra: nn.Module | 
     if taste_tables:
         groups.append({"params": [t.weight for t in taste_tables], "lr": params.taste_learning_rate, CANDIDATE_TERM: True})
     counters = list(model.counter_features.parameters()) if model.counter_features is not None else []
-    own_rate = {id(p) for group in groups for p in group["params"]} | {id(p) for p in counters}
+    bias = [p for layer in model.layers if layer.relative_bias is not None for p in layer.relative_bias.parameters()]
+    bias = bias if params.bias_learning_rate is not None else []
+    own_rate = {id(p) for group in groups for p in group["params"]} | {id(p) for p in counters + bias}
     layers = [p for p in model.parameters() if id(p) not in own_rate]
     layers += list(extra.parameters()) if extra is not None else []
     dense_groups = [{"params": layers, "lr": params.learning_rate}]
+    if bias:
+        dense_groups.append({"params": bias, "lr": params.bias_learning_rate})
     if counters:
         dense_groups.append({"params": counters, "lr": params.counter_learning_rate, CANDIDATE_TERM: True})
     return [
         torch.optim.SparseAdam(groups),
         torch.optim.AdamW(dense_groups, lr=params.learning_rate, weight_decay=1e-4),
-    ], layers + counters
+    ], layers + bias + counters
 
 
 def _losses(model: HSTURecommender, batch: VisitBatch,
@@ -194,7 +204,7 @@ def train(
             raise ValueError(f"{dataset.root} has no video tags (its source had no "
                              f"{schema.VIDEO_FEATURES_BASIC}); train without video_tags")
         if tags is not None:
-            config = config.replace(num_video_tags=tags.num_rows)
+            config = config.replace(num_video_tags=tags.num_rows, tag_match_bias=params.tag_match_bias)
         model = HSTURecommender(config, device=params.device, video_tags=tags)
         initialise(model, params)
     # The blocked torch path: the Triton kernel computes forwards only (it has no backward).

@@ -23,7 +23,8 @@ def _non_negative_int(text: str) -> int:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The options that shape a fresh model (TrainParams.position_table_size, .video_hash_size,
-    .user_hash_size, .video_tags, .attention_window, .tag_embedding_std, .tied_query_key_init), for every
+    .user_hash_size, .video_tags, .attention_window, .tag_embedding_std, .tied_query_key_init,
+    .tag_match_bias, .tag_match_prior), for every
     script that trains."""
     p.add_argument("--position_table_size", type=int, default=TrainParams.position_table_size,
                    help="absolute position rows of a fresh model (default: the preset's; 1 = no absolute positions)")
@@ -40,6 +41,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="draw a fresh model's tag table at this std (default: 0.02, as every table; needs --video_tags)")
     p.add_argument("--tied_query_key_init", action="store_true",
                    help="start each layer's key projection as a copy of its query projection")
+    p.add_argument("--tag_match_bias", action="store_true",
+                   help="a learned attention offset per head where a key's video tag is the query's (needs --video_tags)")
+    p.add_argument("--tag_match_prior", type=float, default=None,
+                   help="the tag-match offset a fresh model's heads start from (default: relative_bias.TAG_MATCH_PRIOR)")
 
 
 def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +67,8 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--taste_learning_rate", type=float, default=d.taste_learning_rate)
     p.add_argument("--taste_l2", type=float, default=d.taste_l2, help="L2 on the user-taste rows a batch reads")
     p.add_argument("--counter_learning_rate", type=float, default=d.counter_learning_rate)
+    p.add_argument("--bias_learning_rate", type=float, default=d.bias_learning_rate,
+                   help="the relative bias tables' rate (position, time, tag match; default: --learning_rate)")
     p.add_argument("--candidate_terms_delay_epochs", type=int, default=d.candidate_terms_delay_epochs,
                    help="epochs the candidate-only terms (video bias, user taste, counters) wait before they train")
     p.add_argument("--next_item_loss_weight", type=float, default=d.next_item_loss_weight,

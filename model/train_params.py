@@ -83,6 +83,13 @@ class TrainParams:
     # "An attention that starts by matching tags").
     tag_embedding_std: float | None = None
     tied_query_key_init: bool = False
+    # A fresh model's attention adds a learned offset per head and layer where a key's tag is the
+    # query's (HSTUConfig.tag_match_bias; needs video_tags): the tag share of the history in one term.
+    tag_match_bias: bool = False
+    # The tag-match offset every head starts from (None: relative_bias.TAG_MATCH_PRIOR).
+    tag_match_prior: float | None = None
+    # The relative bias tables' own rate (position, time, tag match); None: the layers' learning_rate.
+    bias_learning_rate: float | None = None
     max_train_requests: int | None = None
     max_train_seconds: float | None = None
     seed: int = 0
@@ -96,6 +103,10 @@ class TrainParams:
                              f"got {self.candidate_terms_delay_epochs}")
         if not self.next_item_loss_weight >= 0:
             raise ValueError(f"next_item_loss_weight must be >= 0, got {self.next_item_loss_weight}")
+        if self.tag_match_bias and not self.video_tags:
+            raise ValueError("tag_match_bias needs video_tags: the match is between the tokens' video tags")
+        if self.tag_match_prior is not None and not self.tag_match_bias:
+            raise ValueError("tag_match_prior is the start of the tag-match bias: it needs tag_match_bias")
         if self.tag_embedding_std is not None and not (self.tag_embedding_std > 0 and self.video_tags):
             raise ValueError(f"tag_embedding_std must be > 0 and needs video_tags, got {self.tag_embedding_std} "
                              f"with video_tags={self.video_tags}")
@@ -105,14 +116,16 @@ class TrainParams:
 # "sequence" trains the sequence path to read the history (docs/model.md, "Training long enough"): a
 # rate the 256-wide layers can find matching events at, every history position of the crop a target,
 # no absolute positions and no per-id rows to memorise, tags to generalise over, epochs enough for the
-# attention to leave its plateau (the holdout picks the epoch), and a start whose first attention
+# attention to leave its plateau (the holdout picks the epoch), a start whose first attention
 # matches tags, which leaves the plateau in two epochs instead of five (docs/model.md, "An attention
-# that starts by matching tags").
+# that starts by matching tags"), the tag-match term in the attention, and crops (and a served
+# window) of 512 events, where more of a user's taste shows (docs/model.md, "A tag-match term in the
+# attention"; on data whose signal is the order of the last events the holdout prefers 128).
 RECIPES: dict[str, dict[str, object]] = {
     "default": {},
     "sequence": dict(epochs=10, patience=3, learning_rate=2.5e-4, history_targets=32, position_table_size=1,
                      dropout=0.1, video_hash_size=1, user_hash_size=0, video_tags=True, tag_embedding_std=0.5,
-                     tied_query_key_init=True),
+                     tied_query_key_init=True, tag_match_bias=True, max_history_events=512),
 }
 
 

@@ -260,11 +260,18 @@ def reference_bucket(distance: int, subdivision: int, num_buckets: int) -> int:
     return min(bucket, num_buckets - 1)
 
 
-def reference_bias(bias, query_position: int, key_position: int, query_time: int, key_time: int) -> torch.Tensor:
-    """[H] HSTU's relative bias of one (query, key) pair, from the formula (float64)."""
+def reference_bias(bias, query_position: int, key_position: int, query_stamp: int, key_stamp: int) -> torch.Tensor:
+    """[H] HSTU's relative bias of one (query, key) pair, from the formula (float64); stamps unpacked
+    from their definition (model/attention/token_stamp.py: tag row above 42 bits of ms, -1 for none)."""
     from model.attention.relative_bias import MS_PER_SECOND, NO_TIME, POSITION_SUBDIVISION, TIME_SUBDIVISION
 
+    def unpack(stamp):
+        return (NO_TIME, None) if stamp < 0 else (stamp % 2**42, stamp // 2**42)
+
+    (query_time, query_tag), (key_time, key_tag) = unpack(query_stamp), unpack(key_stamp)
     out = torch.zeros(bias.position.shape[0], dtype=torch.float64)
+    if bias.tag_match is not None and query_tag and query_tag == key_tag:
+        out += bias.tag_match.double()
     if bias.num_position_buckets:
         out += bias.position[:, reference_bucket(query_position - key_position, POSITION_SUBDIVISION,
                                                  bias.num_position_buckets)].double()
@@ -278,10 +285,11 @@ def reference_bias(bias, query_position: int, key_position: int, query_time: int
 
 
 def dense_hstu_reference(q_hist, q_cand, k_cand, v_cand, k_window, v_window, num_cached, alpha, normalizer,
-                         bias=None, window_times=None, candidate_times=None, key_window=None):
+                         bias=None, window_stamps=None, candidate_stamps=None, key_window=None):
     """One user's HSTU attention straight from the math (docs/model.md, "The layer"), one query row at a time:
-    history rows causal over the window, each candidate over the whole window and itself; with `bias` (a
-    RelativeAttentionBias), its relative bias by window position and `window_times` [T] / `candidate_times` [m];
+    history rows causal over the window, each candidate over the whole window and itself (no tag term);
+    with `bias` (a RelativeAttentionBias), its relative bias by window position and `window_stamps` [T] /
+    `candidate_stamps` [m];
     with `key_window` (a KeyWindow), only the window's keys of each query and its sink.
     -> (history outputs [n, H, D], candidate outputs [m, H, D])"""
     n, m, T = q_hist.shape[0], q_cand.shape[0], k_window.shape[0]
@@ -297,11 +305,13 @@ def dense_hstu_reference(q_hist, q_cand, k_cand, v_cand, k_window, v_window, num
         logits = alpha * torch.einsum("hd,khd->hk", queries[i], keys)  # [H, T + m]
         if bias is not None:
             position = num_cached + i if i < n else T
-            time = int(window_times[num_cached + i]) if i < n else int(candidate_times[i - n])
+            stamp = int(window_stamps[num_cached + i]) if i < n else int(candidate_stamps[i - n])
             key_positions = list(range(T)) + [T] * m  # a candidate sits at the window's end
-            key_times = [int(t) for t in window_times] + [int(t) for t in candidate_times]
-            logits = logits + torch.stack([reference_bias(bias, position, key_positions[j], time, key_times[j])
-                                           for j in range(T + m)], 1).to(logits.dtype)
+            key_stamps = [int(t) for t in window_stamps] + [int(t) for t in candidate_stamps]
+            pair_bias = [reference_bias(bias, position, key_positions[j], stamp, key_stamps[j]) for j in range(T + m)]
+            if i >= n and bias.tag_match is not None and stamp >= 2**42:  # its own key: no tag term
+                pair_bias[T + i - n] = pair_bias[T + i - n] - bias.tag_match.double()
+            logits = logits + torch.stack(pair_bias, 1).to(logits.dtype)
         a = torch.nn.functional.silu(logits) / normalizer
         outputs.append(torch.einsum("hk,khd->hd", a * visible, values))
     out = torch.stack(outputs) if outputs else queries.new_zeros(0, *queries.shape[1:])
@@ -311,7 +321,7 @@ def dense_hstu_reference(q_hist, q_cand, k_cand, v_cand, k_window, v_window, num
 @dataclass
 class AttentionCase:
     """Random q/k/v rows of a batch and, when paged, a shuffled page pool holding every user's window; each
-    token's time (a few window-opening tokens without one), and a random relative bias."""
+    token's stamp (time and tag; a few window-opening tokens without one), and a random relative bias."""
 
     cached: list[int]
     new: list[int]
@@ -323,10 +333,10 @@ class AttentionCase:
     addressing: object  # model.attention.KeyAddressing
     keys: torch.Tensor  # the pool's rows (paged) or k
     values: torch.Tensor
-    window_times: list[torch.Tensor]  # each user's times of its whole window (cached, then new) [c + n] int64
-    candidate_times: list[torch.Tensor]  # [m] int64 each
-    query_times: torch.Tensor  # [n_hist + M + 1] int64: the rows' times (the last: padding query slots)
-    key_times: torch.Tensor  # the pool's slots' times (paged) or query_times
+    window_stamps: list[torch.Tensor]  # each user's stamps of its whole window (cached, then new) [c + n] int64
+    candidate_stamps: list[torch.Tensor]  # [m] int64 each
+    query_stamps: torch.Tensor  # [n_hist + M + 1] int64: the rows' stamps (the last: padding query slots)
+    key_stamps: torch.Tensor  # the pool's slots' stamps (paged) or query_stamps
     bias: object  # model.attention.RelativeAttentionBias with random tables
     alpha: float = 0.3
     normalizer: float = 64.0
@@ -340,12 +350,12 @@ class AttentionCase:
     def bias_inputs(self, device="cpu"):
         from model.attention import BiasInputs
 
-        return BiasInputs(self.query_times.to(device), self.key_times.to(device))
+        return BiasInputs(self.query_stamps.to(device), self.key_stamps.to(device))
 
     def reference(self, b: int, with_bias: bool):
         """(history outputs, candidate outputs) of user b from `dense_hstu_reference`, in float64."""
         h, c = self.rows(b)
-        bias = (self.bias, self.window_times[b], self.candidate_times[b]) if with_bias else (None, None, None)
+        bias = (self.bias, self.window_stamps[b], self.candidate_stamps[b]) if with_bias else (None, None, None)
         return dense_hstu_reference(
             self.q[h].double(), self.q[c].double(), self.k[c].double(), self.v[c].double(),
             torch.cat([self.windows[b][0], self.k[h]]).double(), torch.cat([self.windows[b][1], self.v[h]]).double(),
@@ -354,9 +364,11 @@ class AttentionCase:
 
 
 def paged_attention_case(rng, cached, new, cands, page_size, heads=2, head_dim=8, dtype=torch.float64,
-                         position_buckets=81, time_buckets=92) -> AttentionCase:
+                         position_buckets=81, time_buckets=92, tag_match=True) -> AttentionCase:
+    """With `tag_match`, tokens carry tag rows 0-3 (0: unknown) and the bias a random tag-match table."""
     from model.attention import KeyAddressing, RelativeAttentionBias
     from model.attention.relative_bias import NO_TIME
+    from model.attention.token_stamp import token_stamps
 
     n_hist, M = sum(new), sum(cands)
     generator = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
@@ -365,24 +377,27 @@ def paged_attention_case(rng, cached, new, cands, page_size, heads=2, head_dim=8
     windows = [(t(c), t(c)) for c in cached]
     hist_off = np.concatenate([[0], np.cumsum(new)])
     # Times: gaps from a second to a month (every time bucket), the first token of a window without one.
+    tags = lambda count: torch.from_numpy(token_stamps(np.zeros(count), rng.integers(0, 4, count))) if tag_match else 0
     window_times, candidate_times = [], []
     for c, n, m in zip(cached, new, cands):
         gaps = rng.choice([0, 999, 1_000, 45_000, 3_600_000, 86_400_000, 2_592_000_000], size=c + n)
         times = torch.from_numpy(1_650_000_000_000 + np.cumsum(gaps))
         times[:1] = NO_TIME
-        window_times.append(times)
         last = int(times[-1]) if c + n and times[-1] != NO_TIME else 1_650_000_000_000
-        candidate_times.append(torch.full((m,), last + int(rng.integers(0, 10**7)), dtype=torch.int64))
-    query_times = torch.cat([*(w[c:] for w, c in zip(window_times, cached)), *candidate_times,
-                             torch.tensor([NO_TIME])]).to(torch.int64)
-    bias = RelativeAttentionBias(heads, position_buckets, time_buckets)
+        window_times.append(torch.where(times < 0, NO_TIME, times | tags(c + n)))
+        candidate_times.append(torch.full((m,), last + int(rng.integers(0, 10**7)), dtype=torch.int64) | tags(m))
+    query_stamps = torch.cat([*(w[c:] for w, c in zip(window_times, cached)), *candidate_times,
+                              torch.tensor([NO_TIME])]).to(torch.int64)
+    bias = RelativeAttentionBias(heads, position_buckets, time_buckets, tag_match=tag_match)
     with torch.no_grad():
         bias.position.copy_(torch.randn(bias.position.shape, generator=generator))
         bias.time.copy_(torch.randn(bias.time.shape, generator=generator))
-    common = dict(window_times=window_times, candidate_times=candidate_times, query_times=query_times, bias=bias)
+        if tag_match:
+            bias.tag_match.copy_(torch.randn(heads, generator=generator))
+    common = dict(window_stamps=window_times, candidate_stamps=candidate_times, query_stamps=query_stamps, bias=bias)
     if page_size == 0:
         assert not any(cached)
-        return AttentionCase(cached, new, cands, q, k, v, windows, KeyAddressing(0), k, v, key_times=query_times,
+        return AttentionCase(cached, new, cands, q, k, v, windows, KeyAddressing(0), k, v, key_stamps=query_stamps,
                              **common)
     pages_needed = [-(-(c + n) // page_size) for c, n in zip(cached, new)]
     num_pages = sum(pages_needed) + 3
@@ -398,7 +413,7 @@ def paged_attention_case(rng, cached, new, cands, page_size, heads=2, head_dim=8
             slot = order[indptr[b] + j // page_size] * page_size + j % page_size
             pool_k[slot], pool_v[slot], pool_times[slot] = window_k[j], window_v[j], window_times[b][j]
     addressing = KeyAddressing(page_size, indptr, order.astype(np.int64))
-    return AttentionCase(cached, new, cands, q, k, v, windows, addressing, pool_k, pool_v, key_times=pool_times,
+    return AttentionCase(cached, new, cands, q, k, v, windows, addressing, pool_k, pool_v, key_stamps=pool_times,
                          **common)
 
 
@@ -418,6 +433,8 @@ def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:
             if layer.relative_bias is not None:
                 layer.relative_bias.position.normal_(std=1.0)
                 layer.relative_bias.time.normal_(std=1.0)
+                if layer.relative_bias.tag_match is not None:
+                    layer.relative_bias.tag_match.normal_(std=1.0)
     return model
 
 

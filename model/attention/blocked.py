@@ -123,10 +123,10 @@ def _pair_index(bias: RelativeAttentionBias, inputs: BiasInputs, schedule: dict[
     if index is None:
         p, query_block = len(blocks), schedule["block_rows"].shape[1]
         query_rows = schedule["block_rows"].index_select(0, blocks).view(-1)
-        query_times = inputs.query_times.index_select(0, query_rows).view(p, query_block, 1)
-        key_times = inputs.key_times.index_select(0, key_rows).view(p, 1, -1)
+        query_stamps = inputs.query_stamps.index_select(0, query_rows).view(p, query_block, 1)
+        key_stamps = inputs.key_stamps.index_select(0, key_rows).view(p, 1, -1)
         query_positions = schedule["block_query_positions"].index_select(0, blocks)[:, :, None]
         key_positions = schedule["key_positions"][chunk][:, None, :]
-        index = bias.pair_index(query_positions, key_positions, query_times, key_times)
+        index = bias.pair_index(query_positions, key_positions, query_stamps, key_stamps)
         inputs.pair_index_cache[key] = index
     return index

@@ -15,9 +15,10 @@ above the causal diagonal are never visited; with a key window (base.KeyWindow) 
 tile's first row's window start, visiting the sink's blocks (the contextual prefix) before it.
 
 With a relative bias (model/attention/relative_bias.py) the tile computes each score's position
-and time buckets in registers, from the key's window position and its time (read beside the key:
-the page pool's times, or the batch's rows), and adds the bias read from the layer's small
-tables: no [queries x keys] bias is ever written to memory.
+and time buckets, and whether query and key share a tag, in registers, from the key's window
+position and its stamp (time and tag, read beside the key: the page pool's per-slot word, or the
+batch's rows), and adds the bias read from the layer's small tables: no [queries x keys] bias is
+ever written to memory.
 
 HSTU has no softmax, so a long key range can be split across programs (`num_splits`) whose
 partial outputs simply add: with few users (batch 1) this keeps every SM busy. Partials go
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from model.attention import relative_bias
+from model.attention import relative_bias, token_stamp
 from model.attention.base import KeyWindow
 from model.attention.relative_bias import BiasInputs, RelativeAttentionBias
 
@@ -115,6 +116,8 @@ if triton is not None:
     EXACT_FLOAT_LIMIT = tl.constexpr(relative_bias.EXACT_FLOAT_LIMIT)
     MS_PER_SECOND = tl.constexpr(relative_bias.MS_PER_SECOND)
     NO_TIME = tl.constexpr(relative_bias.NO_TIME)
+    STAMP_TIME_BITS = tl.constexpr(token_stamp.STAMP_TIME_BITS)
+    STAMP_TIME_MASK = tl.constexpr(token_stamp.STAMP_TIME_MASK)
     _P, _T = relative_bias.POSITION_SUBDIVISION, relative_bias.TIME_SUBDIVISION
     POSITION_SHIFT, POSITION_EXACT, POSITION_OFFSET = (tl.constexpr(23 - _P), tl.constexpr(1 << _P),
                                                        tl.constexpr((126 + _P) << _P))
@@ -134,14 +137,14 @@ if triton is not None:
     def _hstu_attention_kernel(
         Q, K, V, KEYS, VALUES, OUT,
         history_offsets, candidate_offsets, cached_lengths, page_indptr, page_indices, tile_users, tile_rows,
-        QUERY_TIMES, KEY_TIMES, POSITION_BIAS, TIME_BIAS,
+        QUERY_STAMPS, KEY_STAMPS, POSITION_BIAS, TIME_BIAS, TAG_BIAS,
         history_rows, num_splits, key_window, key_sink, alpha, inv_normalizer,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_keys_t, stride_keys_h, stride_values_t, stride_values_h,
         stride_os, stride_ot, stride_oh,
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        POSITION_BUCKETS: tl.constexpr, TIME_BUCKETS: tl.constexpr,
+        POSITION_BUCKETS: tl.constexpr, TIME_BUCKETS: tl.constexpr, TAG_MATCH: tl.constexpr,
     ):
         tile, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         user = tl.load(tile_users + tile)
@@ -164,8 +167,10 @@ if triton is not None:
         q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
                     mask=valid_row[:, None], other=0.0)
         query_positions = tl.where(is_history, c + rows, window)
-        if TIME_BUCKETS > 0:
-            query_times = tl.load(QUERY_TIMES + q_rows, mask=valid_row, other=NO_TIME)
+        if TIME_BUCKETS > 0 or TAG_MATCH:  # token_stamp's packing: the tag row above the time's bits
+            query_stamps = tl.load(QUERY_STAMPS + q_rows, mask=valid_row, other=NO_TIME)
+            query_times = tl.where(query_stamps < 0, NO_TIME, query_stamps & STAMP_TIME_MASK)
+            query_tags = query_stamps >> STAMP_TIME_BITS
 
         last = tl.minimum(row0 + BM, n + m) - 1
         tile_keys = tl.where(last < n, c + last + 1, window)
@@ -200,12 +205,17 @@ if triton is not None:
                 bucket = _log_bucket(query_positions[:, None] - keys[None, :], POSITION_SHIFT, POSITION_EXACT,
                                      POSITION_OFFSET, POSITION_BUCKETS)
                 scores += tl.load(POSITION_BIAS + head * POSITION_BUCKETS + bucket)
+            if TIME_BUCKETS > 0 or TAG_MATCH:
+                key_stamps = tl.load(KEY_STAMPS + key_rows, mask=valid_key, other=NO_TIME)
             if TIME_BUCKETS > 0:
-                key_times = tl.load(KEY_TIMES + key_rows, mask=valid_key, other=NO_TIME)
+                key_times = tl.where(key_stamps < 0, NO_TIME, key_stamps & STAMP_TIME_MASK)
                 seconds = tl.maximum(query_times[:, None] - key_times[None, :], 0) // MS_PER_SECOND
                 bucket = _log_bucket(seconds, TIME_SHIFT, TIME_EXACT, TIME_OFFSET, TIME_BUCKETS)
                 bucket = tl.where((query_times[:, None] < 0) | (key_times[None, :] < 0), TIME_BUCKETS, bucket)
                 scores += tl.load(TIME_BIAS + head * (TIME_BUCKETS + 1) + bucket)
+            if TAG_MATCH:
+                same_tag = (query_tags[:, None] == (key_stamps >> STAMP_TIME_BITS)[None, :]) & (query_tags[:, None] > 0)
+                scores += tl.where(same_tag, tl.load(TAG_BIAS + head), 0.0)
             scores = scores * tl.sigmoid(scores)
             seen = (keys[None, :] < key_end[:, None]) & ((keys[None, :] >= key_end[:, None] - key_window)
                                                         | (keys[None, :] < key_sink))
@@ -245,20 +255,21 @@ class KernelConstants:
     upcast: bool  # dots in fp32 from bf16/fp16 inputs (Triton's interpreter has no bf16/fp16 dot)
     position_buckets: int  # 0: no position bias
     time_buckets: int  # 0: no time bias
+    tag_match: bool = False
     num_warps: int = 4
     num_stages: int = 2
 
     def constexprs(self) -> dict[str, object]:
         return dict(PAGE_SIZE=self.page_size, HEAD_DIM=self.head_dim, BM=BLOCK_M, BN=BLOCK_N,
                     PRECISION=self.precision, UPCAST=self.upcast,
-                    POSITION_BUCKETS=self.position_buckets, TIME_BUCKETS=self.time_buckets)
+                    POSITION_BUCKETS=self.position_buckets, TIME_BUCKETS=self.time_buckets, TAG_MATCH=self.tag_match)
 
 
 def kernel_constants(page_size: int, head_dim: int, dtype: torch.dtype, position_buckets: int, time_buckets: int,
-                     interpreted: bool = _INTERPRETED) -> KernelConstants:
+                     tag_match: bool = False, interpreted: bool = _INTERPRETED) -> KernelConstants:
     """The constants a launch with these inputs compiles (`interpreted`: under TRITON_INTERPRET)."""
     return KernelConstants(page_size, head_dim, "ieee" if dtype == torch.float32 else "tf32",
-                           interpreted and dtype != torch.float32, position_buckets, time_buckets)
+                           interpreted and dtype != torch.float32, position_buckets, time_buckets, tag_match)
 
 
 def triton_hstu_attention(
@@ -286,19 +297,22 @@ def triton_hstu_attention(
     # Tables as fp32 the kernel adds to its fp32 scores; tensors it never reads (no bias) stand in for absent ones.
     position_bias = bias.position.float().contiguous() if position_buckets else q
     time_bias = bias.time.float().contiguous() if time_buckets else q
-    query_times = bias_inputs.query_times if time_buckets else arrays["tile_rows"]
-    key_times = bias_inputs.key_times if time_buckets else arrays["tile_rows"]
+    tag_match = bias is not None and bias.tag_match is not None
+    tag_bias = bias.tag_match.float().contiguous() if tag_match else q
+    stamped = time_buckets or tag_match
+    query_stamps = bias_inputs.query_stamps if stamped else arrays["tile_rows"]
+    key_stamps = bias_inputs.key_stamps if stamped else arrays["tile_rows"]
     # Partial sums [splits, T, H, D] in fp32 whatever the split count: one output type, so one compiled
     # variant serves every split (bf16 at one split pays a cast of the output, not a compile).
     out = torch.zeros((splits, T, H, D), dtype=torch.float32, device=q.device)
-    constants = kernel_constants(page_size, D, q.dtype, position_buckets, time_buckets)
+    constants = kernel_constants(page_size, D, q.dtype, position_buckets, time_buckets, tag_match)
     window_size, window_sink = (key_window.size, key_window.sink) if key_window else (NO_KEY_WINDOW, 0)
     if tiles:
         _hstu_attention_kernel[(tiles, H, splits)](
             q, k, v, keys, values, out,
             arrays["history_offsets"], arrays["candidate_offsets"], arrays["cached_lengths"],
             arrays["page_indptr"], arrays["page_indices"], arrays["tile_users"], arrays["tile_rows"],
-            query_times, key_times, position_bias, time_bias,
+            query_stamps, key_stamps, position_bias, time_bias, tag_bias,
             history_rows, splits, window_size, window_sink, alpha, 1.0 / normalizer,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),

@@ -189,6 +189,40 @@ def test_parity_without_absolute_positions(device):
     assert cache.stats().tokens_reused > 0
 
 
+@pytest.mark.parametrize("backend", _backends())
+def test_parity_with_the_tag_match_bias(backend, device):
+    """A cached key's tag travels packed in its slot's stamp: the tag-match term between new queries and
+    cached keys is exact for any split into visits, under offload, eviction and reload, on both backends."""
+    rng = np.random.default_rng(7)
+    model = tagged_model(7, random_tag_table(rng, num_tags=3), tag_match_bias=True).to(device)
+    model.attention_backend = backend
+    histories = random_histories(rng, 6, (5, 50), model.config)
+    cache = make_cache(model.config, num_pages=64, device=device)
+    assert replay_and_compare(model, cache, histories, rng, max_chunk=12, between_rounds=shuffle_tiers) >= 2
+    assert cache.stats().tokens_reused > 0
+
+
+def test_the_tag_match_term_moves_scores_and_a_zero_one_changes_nothing(device):
+    """Peer sanity: with its table at zero, a tag-matching model scores exactly as the same weights
+    without the term; with the table set, the scores move."""
+    rng = np.random.default_rng(4)
+    table = random_tag_table(rng, num_tags=3)
+    plain, matching = tagged_model(4, table), tagged_model(4, table, tag_match_bias=True)
+    matching.load_state_dict(plain.state_dict(), strict=False)
+    histories = random_histories(rng, 4, (10, 40), plain.config)
+    visits = [Visit(u, len(h.video_ids), random_candidates(rng, 5)) for u, h in histories.items()]
+    plain, matching = plain.to(device), matching.to(device)
+    with torch.no_grad():
+        for layer in matching.layers:
+            layer.relative_bias.tag_match.zero_()
+    assert torch.equal(serve(matching, None, histories, visits), serve(plain, None, histories, visits))
+    with torch.no_grad():
+        for layer in matching.layers:
+            layer.relative_bias.tag_match.fill_(2.0)
+    assert not torch.allclose(serve(matching, None, histories, visits), serve(plain, None, histories, visits),
+                              atol=1e-3)
+
+
 def test_cached_scores_equal_full_recompute_with_tags(device):
     rng = np.random.default_rng(2)
     model = tagged_model(2, random_tag_table(rng)).to(device)

@@ -22,6 +22,7 @@ from model.attention.relative_bias import (
     NO_TIME,
     POSITION_SUBDIVISION,
     RECENCY_PRIOR_LOGITS,
+    TAG_MATCH_PRIOR,
     TIME_SUBDIVISION,
     RelativeAttentionBias,
     bucket_start,
@@ -29,6 +30,14 @@ from model.attention.relative_bias import (
     max_buckets,
     recency_prior,
     time_bucket,
+)
+from model.attention.token_stamp import (
+    MAX_STAMP_TAG,
+    STAMP_TIME_BITS,
+    STAMP_TIME_MASK,
+    stamp_tag_match,
+    stamp_times,
+    token_stamps,
 )
 from model.recommender import HSTURecommender
 
@@ -76,6 +85,38 @@ def test_pair_table_adds_position_and_time_rows_per_head():
     expected = bias.position[:, 2] + bias.time[:, reference_bucket(3, TIME_SUBDIVISION, 4)]
     torch.testing.assert_close(row, expected)
     torch.testing.assert_close(bias.self_bias(), bias.position[:, 0] + bias.time[:, 0])
+
+
+def test_the_tag_match_adds_its_offset_to_the_pairs_of_one_known_tag():
+    bias = RelativeAttentionBias(num_heads=3, num_position_buckets=5, num_time_buckets=4, tag_match=True)
+    torch.testing.assert_close(bias.tag_match.detach(), torch.full((3,), TAG_MATCH_PRIOR))
+    with torch.no_grad():
+        bias.position.copy_(torch.randn(3, 5))
+        bias.time.copy_(torch.randn(3, 5))
+        bias.tag_match.copy_(torch.randn(3))
+    stamp = lambda time, tag: torch.from_numpy(token_stamps(np.array([time]), np.array([tag])))
+    table = bias.pair_table()
+    assert table.shape == (2 * 5 * 5, 3)
+    positions = torch.tensor([9]), torch.tensor([7])
+    plain = bias.position[:, 2] + bias.time[:, reference_bucket(3, TIME_SUBDIVISION, 4)]  # distance 2, 3 seconds
+    for query_tag, key_tag, matched in [(4, 4, True), (4, 5, False), (0, 0, False), (0, 4, False)]:
+        index = bias.pair_index(*positions, stamp(10_000, query_tag), stamp(7_000, key_tag))
+        torch.testing.assert_close(table[index.long()][0], plain + bias.tag_match * matched)
+    torch.testing.assert_close(bias.self_bias(), bias.position[:, 0] + bias.time[:, 0])  # no tag term with itself
+
+
+def test_token_stamps_pack_time_and_tag_and_refuse_what_does_not_fit():
+    times, tags = np.array([1_650_000_000_123, NO_TIME, 0]), np.array([7, 7, MAX_STAMP_TAG])
+    stamps = torch.from_numpy(token_stamps(times, tags))
+    assert stamps[1] == NO_TIME
+    assert torch.equal(stamp_times(stamps), torch.from_numpy(times))
+    assert torch.equal(torch.from_numpy(token_stamps(times, None)), torch.from_numpy(times))  # no tags: the times
+    match = stamp_tag_match(stamps[:, None], stamps[None, :])
+    assert match.tolist() == [[True, False, False], [False, False, False], [False, False, True]]
+    with pytest.raises(ValueError, match=r"timestamp 4398046511104 ms \(token 1\)"):
+        token_stamps(np.array([5, STAMP_TIME_MASK + 1]), None)
+    with pytest.raises(ValueError, match="tag rows must be in"):
+        token_stamps(np.array([5]), np.array([MAX_STAMP_TAG + 1]))
 
 
 def _histories_and_visits(cfg, seed=3):
@@ -150,22 +191,33 @@ def test_recency_prior_favours_each_heads_horizon():
     assert not layer.time.any()
 
 
-@pytest.mark.parametrize("buckets", [(81, 92), (176, 0), (0, 92), (5, 3)])
-def test_pair_index_is_the_definitions_buckets(buckets):
+@pytest.mark.parametrize("tag_match", [False, True])
+@pytest.mark.parametrize("buckets", [(81, 92), (176, 0), (0, 92), (5, 3), (0, 0)])
+def test_pair_index_is_the_definitions_buckets(buckets, tag_match):
     """pair_index's fast path (a table of distance buckets, int32 arithmetic) equals log_bucket and
-    time_bucket everywhere: short and capped distances, negative (masked) ones, missing times."""
+    time_bucket everywhere: short and capped distances, negative (masked) ones, missing times; with the
+    tag match, the same rows of the table's second half where the stamps carry one known tag."""
+    if not (any(buckets) or tag_match):
+        return
     rng = np.random.default_rng(0)
-    bias = RelativeAttentionBias(2, *buckets)
+    bias = RelativeAttentionBias(2, *buckets, tag_match=tag_match)
     query_positions = torch.from_numpy(rng.integers(0, 20_000, (3, 64, 1)))
     key_positions = torch.from_numpy(rng.integers(0, 20_000, (3, 1, 80)))
     query_times = torch.from_numpy(rng.integers(0, 2**41, (3, 64, 1)))
-    key_times = query_times.min() - torch.from_numpy(rng.integers(-10**6, 2**40, (3, 1, 80)))
+    key_times = query_times.median() - torch.from_numpy(rng.integers(-10**6, 2**40, (3, 1, 80)))  # some < 0: none
     query_times[0, :4], key_times[1, 0, :4] = NO_TIME, NO_TIME
     want = torch.zeros((), dtype=torch.int64)
     if buckets[0]:
         want = log_bucket(query_positions - key_positions, POSITION_SUBDIVISION, buckets[0]) * bias.num_time_rows
     if buckets[1]:
         want = want + time_bucket(query_times, key_times, buckets[1])
+    if tag_match:
+        query_tags, key_tags = (torch.from_numpy(rng.integers(0, 3, t.shape)) for t in (query_times, key_times))
+        same = (query_tags == key_tags) & (query_tags > 0) & (query_times >= 0) & (key_times >= 0)
+        assert same.any() and (~same).any()
+        want = want + same * bias.num_distance_rows
+        query_times = torch.where(query_times < 0, NO_TIME, query_times | query_tags << STAMP_TIME_BITS)
+        key_times = torch.where(key_times < 0, key_times, key_times | key_tags << STAMP_TIME_BITS)
     got = bias.pair_index(query_positions, key_positions, query_times, key_times)
     assert got.dtype == torch.int32
     assert torch.equal(got.long(), want.expand_as(got))

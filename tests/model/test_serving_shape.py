@@ -17,6 +17,7 @@ from model.attention import triton_attention
 from model.config import config_for_dataset
 from model.inference import InferenceSession
 from model.op_counter import OpCounter
+from model.video_tags import VideoTagTable
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +25,14 @@ def dataset(tmp_path_factory):
     return InferenceDataset(build_processed(tmp_path_factory.mktemp("shape")))
 
 
-def _warm_session(dataset, cached: bool, backend: str = "blocked"):
+def _warm_session(dataset, cached: bool, backend: str = "blocked", tag_match: bool = False):
     cfg = config_for_dataset("tiny", dataset)
+    tags = VideoTagTable.from_dataset_dir(dataset.root) if tag_match else None
+    if tags is not None:  # every token's stamp then carries its tag, and every layer reads the match
+        cfg = cfg.replace(num_video_tags=tags.num_rows, tag_match_bias=True)
     model = sensitive_model(cfg, 0)
+    if tags is not None:
+        model.video_tags = tags
     model.attention_backend = backend
     session = InferenceSession(model, dataset, kv_cache=make_cache(cfg, num_pages=2048) if cached else None)
     batches = list(dataset.batches(dataset.request_indices(), 8))
@@ -36,13 +42,14 @@ def _warm_session(dataset, cached: bool, backend: str = "blocked"):
 
 
 @pytest.mark.parametrize("backend", ["blocked", "triton"])
-@pytest.mark.parametrize("cached", [True, False], ids=["cached", "full"])
-def test_serve_has_no_sync_ops_and_flat_op_counts(dataset, cached, backend):
+@pytest.mark.parametrize("cached, tag_match", [(True, False), (False, False), (True, True)],
+                         ids=["cached", "full", "cached-tag-match"])
+def test_serve_has_no_sync_ops_and_flat_op_counts(dataset, cached, tag_match, backend):
     """The whole visit (planning, forward, commit, offload to the host tier), on the CPU path and on the
-    Triton path the GPU runs (its kernel under the interpreter)."""
+    Triton path the GPU runs (its kernel under the interpreter); with the tag-match term too."""
     if backend == "triton" and not triton_attention.available():
         pytest.skip("triton is not installed")
-    session, later = _warm_session(dataset, cached, backend)
+    session, later = _warm_session(dataset, cached, backend, tag_match)
     batch_of_8 = next(b for b in later if len(b) == 8)
     batch_of_1 = later[-1][:1]
 

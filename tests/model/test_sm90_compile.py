@@ -44,9 +44,11 @@ def test_every_preset_variant_compiles_within_the_h100_shared_memory(compiled):
     failures = [v for v in compiled if not v["ok"]]
     assert not failures, failures
     assert all(v["shared_bytes"] <= kernel_compile.H100_SHARED_BYTES_PER_BLOCK for v in compiled)
-    attention = {(v["head_dim"], v["dtype"], v["page_size"]): v for v in compiled if v["kernel"] == "hstu_attention"}
+    attention = {(v["kernel"], v["head_dim"], v["dtype"], v["page_size"]): v for v in compiled
+                 if v["kernel"].startswith("hstu_attention")}
     head_dims = {preset(name).head_dim for name in PRESET_NAMES}
-    assert set(attention) == {(d, t, p) for d in head_dims for t in ("fp32", "bf16") for p in (0, 32)}
+    assert set(attention) == {(k, d, t, p) for k in ("hstu_attention", "hstu_attention_tag_match") for d in head_dims
+                              for t in ("fp32", "bf16") for p in (0, 32)}
     # One binary per variant serves every split the planner may choose (the count is a runtime argument).
     assert all(tuple(v["splits"]) == allowed_splits() for v in attention.values())
     assert {v["dtype"] for v in compiled if v["kernel"] == "kv_append"} == {"fp32", "bf16"}
@@ -56,7 +58,7 @@ def test_every_preset_variant_compiles_within_the_h100_shared_memory(compiled):
 
 def test_bf16_dots_compile_to_hopper_tensor_cores(compiled):
     """Under the interpreter bf16 takes the fp32 upcast branch; on sm90 it must be wgmma, or bf16 serving is slow."""
-    bf16 = [v for v in compiled if v["kernel"] == "hstu_attention" and v["dtype"] == "bf16"]
+    bf16 = [v for v in compiled if v["kernel"].startswith("hstu_attention") and v["dtype"] == "bf16"]
     assert bf16 and all(v["tensor_core_dots"] for v in bf16)
 
 

@@ -238,6 +238,51 @@ def test_a_tag_table_std_needs_tags_and_a_positive_value():
         TrainParams(tag_embedding_std=0.0, video_tags=True)
 
 
+def test_the_tag_match_bias_trains_and_survives_its_checkpoint(dataset, tmp_path):
+    """`tag_match_bias`: every layer gets the per-head offset, training moves it off its prior, and a
+    loaded checkpoint scores as the trained model; without tags it is refused before training."""
+    from model.attention.relative_bias import TAG_MATCH_PRIOR
+
+    params = TrainParams(preset="tiny", epochs=1, batch_size=8, seed=0, max_train_requests=32, video_tags=True,
+                         tag_match_bias=True)
+    model, _ = train(dataset, params)
+    assert model.config.tag_match_bias
+    offsets = torch.stack([layer.relative_bias.tag_match.detach() for layer in model.layers])
+    assert not torch.allclose(offsets, torch.full_like(offsets, TAG_MATCH_PRIOR))
+    save_checkpoint(model, tmp_path)
+    loaded = load_checkpoint(tmp_path).model.eval()
+    assert loaded.config.tag_match_bias
+    _, holdout = split_requests(dataset, params)
+    torch.testing.assert_close(score_requests(loaded, dataset, holdout, 8, progress=False).logits,
+                               score_requests(model, dataset, holdout, 8, progress=False).logits)
+    with pytest.raises(ValueError, match="tag_match_bias needs video_tags"):
+        TrainParams(tag_match_bias=True)
+    with pytest.raises(ValueError, match="tag_match_prior .* needs tag_match_bias"):
+        TrainParams(tag_match_prior=4.0, video_tags=True)
+
+
+def test_the_bias_tables_start_at_the_prior_asked_and_learn_at_their_own_rate(dataset):
+    """`tag_match_prior` is where every head's offset starts; `bias_learning_rate` gives the position,
+    time and tag tables (and nothing else) their own optimiser group."""
+    from model.train import _optimizers, initialise
+    from model.video_tags import VideoTagTable
+
+    tags = VideoTagTable.from_dataset_dir(dataset.root)
+    config = config_for_dataset("tiny", dataset).replace(num_video_tags=tags.num_rows, tag_match_bias=True)
+    model = HSTURecommender(config, video_tags=tags)
+    params = TrainParams(preset="tiny", video_tags=True, tag_match_bias=True, tag_match_prior=4.0,
+                         bias_learning_rate=0.01)
+    initialise(model, params)
+    assert all(torch.equal(layer.relative_bias.tag_match, torch.full((config.num_heads,), 4.0))
+               for layer in model.layers)
+    bias = {id(p) for layer in model.layers for p in layer.relative_bias.parameters()}
+    dense = _optimizers(model, params)[0][1].param_groups
+    own = [g for g in dense if g["lr"] == 0.01]
+    assert len(own) == 1 and {id(p) for p in own[0]["params"]} == bias
+    shared = _optimizers(model, replace(params, bias_learning_rate=None))[0][1].param_groups
+    assert len(shared) == len(dense) - 1 and bias <= {id(p) for p in shared[0]["params"]}  # else: the layers' rate
+
+
 def test_trainer_id_row_overrides_reach_the_model(dataset):
     params = TrainParams(preset="tiny", epochs=1, batch_size=8, seed=0, max_train_requests=16,
                          video_hash_size=1, user_hash_size=0)

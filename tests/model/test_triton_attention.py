@@ -58,8 +58,8 @@ def _run(case, candidates_only, shape=None, splits=1, max_seq_len=None, with_bia
                               gap(shape.candidate_rows - M + (len(t) - n_hist - M))])
 
         q, k, v = pad(q), pad(k), pad(v)
-        query_times = pad(bias_inputs.query_times, NO_TIME)
-        bias_inputs = BiasInputs(query_times, bias_inputs.key_times if case.addressing.paged else query_times)
+        query_stamps = pad(bias_inputs.query_stamps, NO_TIME)
+        bias_inputs = BiasInputs(query_stamps, bias_inputs.key_stamps if case.addressing.paged else query_stamps)
         keys, values = (case.keys.to(DEVICE), case.values.to(DEVICE)) if case.addressing.paged else (k, v)
     else:
         keys, values = case.keys.to(DEVICE), case.values.to(DEVICE)
@@ -132,6 +132,7 @@ def test_kernel_buckets_equal_torch_buckets():
     import triton.language as tl
 
     from model.attention.relative_bias import POSITION_SUBDIVISION, log_bucket, time_bucket
+    from model.attention.token_stamp import STAMP_TIME_MASK
 
     @triton.jit
     def buckets(DIST, QT, KT, POS, TIME, n, BLOCK: tl.constexpr):
@@ -152,6 +153,7 @@ def test_kernel_buckets_equal_torch_buckets():
     distance = np.concatenate([np.arange(-3, 300), powers - 1, powers, powers + 1, rng.integers(0, 1 << 40, 2000)])
     key_times = 1_650_000_000_000 + rng.integers(-10, 10**10, len(distance))
     query_times = key_times + distance * rng.choice([1, 999, 1000, 1001], len(distance))
+    query_times = np.minimum(query_times, STAMP_TIME_MASK)  # the latest time a stamp holds (more would be tag bits)
     query_times[::97], key_times[::89] = NO_TIME, NO_TIME
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(DEVICE)
     pos, time = t(np.zeros(len(distance))), t(np.zeros(len(distance)))
@@ -240,6 +242,6 @@ def test_attention_cases_are_fixed_by_their_seed():
     make = lambda seed: paged_attention_case(np.random.default_rng(seed), [5, 2], new=[3, 1], cands=[2, 2],
                                              page_size=4, heads=H, head_dim=D)
     a, b, c = make(3), make(3), make(4)
-    for name in ("q", "k", "v", "keys", "key_times", "query_times"):
+    for name in ("q", "k", "v", "keys", "key_stamps", "query_stamps"):
         assert torch.equal(getattr(a, name).nan_to_num(), getattr(b, name).nan_to_num()), name
     assert torch.equal(a.bias.position, b.bias.position) and not torch.equal(a.q, c.q)
