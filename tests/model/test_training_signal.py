@@ -257,7 +257,7 @@ def test_the_tag_match_bias_trains_and_survives_its_checkpoint(dataset, tmp_path
                                score_requests(model, dataset, holdout, 8, progress=False).logits)
     with pytest.raises(ValueError, match="tag_match_bias needs video_tags"):
         TrainParams(tag_match_bias=True)
-    with pytest.raises(ValueError, match="tag_match_prior .* needs tag_match_bias"):
+    with pytest.raises(ValueError, match=r"tag_match_prior .* needs tag_match_bias"):
         TrainParams(tag_match_prior=4.0, video_tags=True)
 
 
