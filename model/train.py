@@ -85,8 +85,8 @@ def _optimizers(model: HSTURecommender, params: TrainParams, extra: nn.Module | 
     if taste_tables:
         groups.append({"params": [t.weight for t in taste_tables], "lr": params.taste_learning_rate, CANDIDATE_TERM: True})
     counters = list(model.counter_features.parameters()) if model.counter_features is not None else []
-    bias = [p for layer in model.layers if layer.relative_bias is not None for p in layer.relative_bias.parameters()]
-    bias = bias if params.bias_learning_rate is not None else []
+    bias = [p for layer in model.layers if layer.relative_bias is not None and params.bias_learning_rate is not None
+            for p in layer.relative_bias.parameters()]
     own_rate = {id(p) for group in groups for p in group["params"]} | {id(p) for p in counters + bias}
     layers = [p for p in model.parameters() if id(p) not in own_rate]
     layers += list(extra.parameters()) if extra is not None else []

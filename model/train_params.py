@@ -105,6 +105,8 @@ class TrainParams:
             raise ValueError(f"next_item_loss_weight must be >= 0, got {self.next_item_loss_weight}")
         if self.tag_match_bias and not self.video_tags:
             raise ValueError("tag_match_bias needs video_tags: the match is between the tokens' video tags")
+        if self.bias_learning_rate is not None and not self.bias_learning_rate > 0:
+            raise ValueError(f"bias_learning_rate must be > 0 (or None: the layers' rate), got {self.bias_learning_rate}")
         if self.tag_match_prior is not None and not self.tag_match_bias:
             raise ValueError("tag_match_prior is the start of the tag-match bias: it needs tag_match_bias")
         if self.tag_embedding_std is not None and not (self.tag_embedding_std > 0 and self.video_tags):

@@ -169,7 +169,9 @@ if triton is not None:
         query_positions = tl.where(is_history, c + rows, window)
         if TIME_BUCKETS > 0 or TAG_MATCH:  # token_stamp's packing: the tag row above the time's bits
             query_stamps = tl.load(QUERY_STAMPS + q_rows, mask=valid_row, other=NO_TIME)
+        if TIME_BUCKETS > 0:
             query_times = tl.where(query_stamps < 0, NO_TIME, query_stamps & STAMP_TIME_MASK)
+        if TAG_MATCH:
             query_tags = query_stamps >> STAMP_TIME_BITS
 
         last = tl.minimum(row0 + BM, n + m) - 1

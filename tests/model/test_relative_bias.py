@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from data.schema import TIME_MS_RANGE
 from helpers import (
     Visit,
     assert_logits_close,
@@ -117,6 +118,7 @@ def test_token_stamps_pack_time_and_tag_and_refuse_what_does_not_fit():
         token_stamps(np.array([5, STAMP_TIME_MASK + 1]), None)
     with pytest.raises(ValueError, match="tag rows must be in"):
         token_stamps(np.array([5]), np.array([MAX_STAMP_TAG + 1]))
+    assert TIME_MS_RANGE[1] <= STAMP_TIME_MASK  # every time live events may carry fits below the tag bits
 
 
 def _histories_and_visits(cfg, seed=3):

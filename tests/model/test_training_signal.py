@@ -259,6 +259,8 @@ def test_the_tag_match_bias_trains_and_survives_its_checkpoint(dataset, tmp_path
         TrainParams(tag_match_bias=True)
     with pytest.raises(ValueError, match=r"tag_match_prior .* needs tag_match_bias"):
         TrainParams(tag_match_prior=4.0, video_tags=True)
+    with pytest.raises(ValueError, match=r"bias_learning_rate must be > 0 \(or None: the layers' rate\), got 0\.0"):
+        TrainParams(bias_learning_rate=0.0)
 
 
 def test_the_bias_tables_start_at_the_prior_asked_and_learn_at_their_own_rate(dataset):
