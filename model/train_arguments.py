@@ -35,13 +35,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="each query attends to its last N events and the prefix (default: the training crop, "
                         "--max_history_events; 0 = the whole window); a checkpoint loaded without training "
                         "is served through it instead of its own")
-    p.add_argument("--video_tags", action="store_true",
+    p.add_argument("--video_tags", action=argparse.BooleanOptionalAction, default=False,
                    help="embed each token's video tag (the dataset's video_tags.parquet)")
     p.add_argument("--tag_embedding_std", type=float, default=None,
                    help="draw a fresh model's tag table at this std (default: 0.02, as every table; needs --video_tags)")
-    p.add_argument("--tied_query_key_init", action="store_true",
+    p.add_argument("--tied_query_key_init", action=argparse.BooleanOptionalAction, default=False,
                    help="start each layer's key projection as a copy of its query projection")
-    p.add_argument("--tag_match_bias", action="store_true",
+    p.add_argument("--tag_match_bias", action=argparse.BooleanOptionalAction, default=False,
                    help="a learned attention offset per head where a key's video tag is the query's (needs --video_tags)")
     p.add_argument("--tag_match_prior", type=float, default=None,
                    help="the tag-match offset a fresh model's heads start from (default: relative_bias.TAG_MATCH_PRIOR)")

@@ -108,6 +108,9 @@ def test_a_named_recipe_sets_the_defaults_and_explicit_options_win():
     overridden = params("--recipe", "sequence", "--learning_rate", "1e-3")
     assert overridden.learning_rate == 1e-3 and overridden.history_targets == RECIPES["sequence"]["history_targets"]
     assert params() == TrainParams() == params("--recipe", "default")
+    # A recipe's switches turn off from the command line too (what reproduces its runs without one).
+    without = params("--recipe", "sequence", "--no-tag_match_bias", "--no-tied_query_key_init")
+    assert not without.tag_match_bias and not without.tied_query_key_init and without.video_tags
 
 
 def test_the_benchmarks_refuse_bad_interval_and_baseline_options(tmp_path, capsys):
