@@ -150,18 +150,33 @@ def bounds(world: World, config: SyntheticConfig, split: QualitySplit) -> tuple[
     probability, map_right = bayes_click_probability(world, config, training, pairs, click_rate)
     scores["Bayes: world known, videos from sightings"] = probability
 
-    sightings = np.bincount(np.searchsorted(seen_videos, training.video_ids), minlength=len(seen_videos))
-    candidate_sightings = np.where(seen, sightings[index], 0)
     by_sightings = []
-    for low, high in SIGHTING_BUCKETS:
-        rows = (candidate_sightings >= low) & (candidate_sightings < (high or np.inf))
+    for label, rows in sighting_buckets(candidate_sightings(training.video_ids, v)):
         by_sightings.append({
-            "sightings": f"{low}+" if high is None else str(low) if high == low + 1 else f"{low}-{high - 1}",
-            "candidates": int(rows.sum()), "cluster_recovered": float(map_right[rows].mean()) if rows.any() else None,
+            "sightings": label, "candidates": int(rows.sum()),
+            "cluster_recovered": float(map_right[rows].mean()) if rows.any() else None,
             "auc_bayes": auc(probability[rows], clicks[rows]),
             "auc_taste_true_clusters": auc(scores["taste, true clusters"][rows], clicks[rows]),
         })
     return {name: auc(score, clicks) for name, score in scores.items()}, by_sightings
+
+
+def candidate_sightings(training_videos: np.ndarray, candidate_videos: np.ndarray) -> np.ndarray:
+    """[M] how often each candidate's video was exposed in the training period: what a model can learn of
+    that video from its id.
+
+    >>> candidate_sightings(np.array([4, 4, 9]), np.array([4, 9, 7]))
+    array([2, 1, 0])
+    """
+    videos, counts = np.unique(training_videos, return_counts=True)
+    index, seen = sorted_lookup(videos, candidate_videos)  # index is a valid row even where unseen
+    return np.where(seen, counts[index], 0) if len(videos) else np.zeros(len(index), np.int64)
+
+
+def sighting_buckets(sightings: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """(label, bool rows) of each `SIGHTING_BUCKETS` range."""
+    return [(f"{low}+" if high is None else str(low) if high == low + 1 else f"{low}-{high - 1}",
+             (sightings >= low) & (sightings < (high or np.inf))) for low, high in SIGHTING_BUCKETS]
 
 
 def _fmt(value: float | None) -> str:
@@ -188,7 +203,12 @@ def _report_order(summary: SyntheticSummary, dataset: InferenceDataset, split: Q
     for reading, gain in gains.items():
         print(f"order is worth {_fmt(gain) if gain is None else f'{gain:+.4f}'} click AUC with {reading} "
               "(history in order less history as a bag)")
-    return {"auc": aucs, "order_gain": gains}
+    # No row here infers a video's cluster from its id; how often the ids were seen says what that could add.
+    sightings = candidate_sightings(split.training_period_events.video_ids, split.eval_pairs.video_ids)
+    shares = {label: float(rows.mean()) for label, rows in sighting_buckets(sightings)}
+    print("candidates by their video's training sightings: "
+          + ", ".join(f"{label} {share:.1%}" for label, share in shares.items()))
+    return {"auc": aucs, "order_gain": gains, "candidate_share_by_sightings": shares}
 
 
 def _print_aucs(aucs: dict[str, float | None]) -> None:

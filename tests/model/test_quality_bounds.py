@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from benchmark.quality_bounds import bayes_click_probability, quality_posterior_mean
+from benchmark.quality_bounds import bayes_click_probability, candidate_sightings, quality_posterior_mean, sighting_buckets
 from data.synthetic_world import World, draw_actions, signal_config
 from helpers import REPO_ROOT, build_processed, subprocess_env
 from model.baselines import Interactions
@@ -55,6 +55,17 @@ def test_bayes_posterior_finds_the_cluster_when_each_user_watches_one():
     probability, cluster_found = bayes_click_probability(world, config, training, pairs, config.rates[0])
     assert cluster_found.mean() > 0.9
     assert np.all((probability > 0) & (probability < 1))
+
+
+def test_candidate_sightings_count_training_exposures_per_candidate_video():
+    training = np.array([5, 3, 5, 5, 8, 3])
+    candidates = np.array([5, 7, 3, 8, 5, 2])
+    sightings = candidate_sightings(training, candidates)
+    assert sightings.tolist() == [3, 0, 2, 1, 3, 0]
+    assert candidate_sightings(np.array([], np.int64), candidates).tolist() == [0] * 6
+    buckets = dict(sighting_buckets(np.array([0, 1, 2, 4, 5, 19, 20, 300])))
+    assert {label: rows.nonzero()[0].tolist() for label, rows in buckets.items()} == {
+        "0": [0], "1": [1], "2-4": [2, 3], "5-19": [4, 5], "20+": [6, 7]}
 
 
 @pytest.fixture(scope="module")

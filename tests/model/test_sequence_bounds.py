@@ -108,3 +108,6 @@ def test_quality_bounds_script_reports_what_the_order_is_worth(world_and_data, t
     assert set(report["auc"]) == {ORACLE, IN_ORDER, AS_BAG, NO_SEQUENCE, *TAG_ROWS}
     assert report["order_gain"][TRUE_CLUSTERS] == pytest.approx(report["auc"][IN_ORDER] - report["auc"][AS_BAG])
     assert "order is worth +" in result.stdout and f"with {TAG_CLUSTERS}" in result.stdout
+    shares = report["candidate_share_by_sightings"]  # every evaluated candidate in exactly one range
+    assert list(shares) == ["0", "1", "2-4", "5-19", "20+"] and sum(shares.values()) == pytest.approx(1.0)
+    assert "candidates by their video's training sightings: 0 " in result.stdout
