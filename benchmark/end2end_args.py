@@ -28,6 +28,7 @@ from data.schema import DEFAULT_SPLIT_DATE, beijing_midnight_ms
 from kvcache.codecs import DEFAULT_CODEC, codec_names, get_codec
 from kvcache.config import REDIS_SCHEMES
 from model.config import PRESET_NAMES
+from model.train_params import RECIPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
@@ -141,6 +142,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="model.train output directory (omit for a random-init model)")
     p.add_argument("--preset", choices=PRESET_NAMES, default=None,
                    help=f"model preset, only without --checkpoint (default {DEFAULT_PRESET})")
+    p.add_argument("--recipe", choices=tuple(RECIPES), default=None,
+                   help="only without --checkpoint: shape the random model as model.train --recipe does (tags, "
+                        "tag match, window; `sequence` is what make demo trains) (default: the preset as is)")
     p.add_argument("--attention_window", type=int_at_least(0), default=None,
                    help="serve the model through this sliding attention window, 0 = the whole window "
                         "(default: the checkpoint's own)")
@@ -202,6 +206,8 @@ FLAG_RULES = (
     FlagRule(lambda a: not a.cuda_graphs or torch.device(a.device).type == "cuda", "--cuda_graphs needs a CUDA --device"),
     FlagRule(lambda a: a.preset is None or a.checkpoint is None,
              "--preset is only used without --checkpoint (a checkpoint holds its model's configuration)"),
+    FlagRule(lambda a: a.recipe is None or a.checkpoint is None,
+             "--recipe is only used without --checkpoint (a checkpoint holds its model's configuration)"),
     FlagRule(lambda a: plot_path(a).resolve() != Path(a.output).resolve(),
              "--plot and --output name the same file (give --plot another path)"),
 )

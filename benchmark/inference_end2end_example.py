@@ -33,6 +33,8 @@ from model.cuda_graphs import use_cuda_graphs
 from model.inference import InferenceSession
 from model.recommender import HSTURecommender
 from model.replay import ReplayPass, compare, replay
+from model.train import fresh_model
+from model.train_params import RECIPES, TrainParams
 from model.warm_up import warm_up
 from serving_cost import ServingCost, probe, probed_batches
 
@@ -45,10 +47,14 @@ def load_model(args: argparse.Namespace, dataset: InferenceDataset) -> HSTURecom
         log.warning("WARNING: no --checkpoint given: serving a RANDOMLY INITIALISED model "
                     "(parity and speed are meaningful, AUCs are not)")
         torch.manual_seed(args.seed)
-        config = config_for_dataset(args.preset, dataset)
-        if args.attention_window is not None:
-            config = config.replace(attention_window=args.attention_window)
-        model = HSTURecommender(config, device=args.device)
+        if args.recipe is None:
+            config = config_for_dataset(args.preset, dataset)
+            if args.attention_window is not None:
+                config = config.replace(attention_window=args.attention_window)
+            model = HSTURecommender(config, device=args.device)
+        else:  # the start of training: the recipe's shape and initial weights
+            recipe = {**RECIPES[args.recipe], "attention_window": args.attention_window}
+            model = fresh_model(dataset, TrainParams(preset=args.preset, device=args.device, **recipe))
     else:
         model = load_checkpoint(args.checkpoint, device=args.device, attention_window=args.attention_window).model
         if model.config.use_contextual_prefix and model.config.user_feature_cardinalities != expected_features:
@@ -162,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = load_model(args, dataset)
     except (FileNotFoundError, ValueError) as err:
-        return refuse(parser, f"{'--checkpoint' if args.checkpoint else '--preset'}: {err}")
+        flag = "--checkpoint" if args.checkpoint else "--recipe" if args.recipe else "--preset"
+        return refuse(parser, f"{flag}: {err}")
     from_ms = beijing_midnight_ms(args.from_date)
     indices = dataset.request_indices(from_time_ms=from_ms, max_requests=args.max_requests)
     if len(indices) == 0:

@@ -185,6 +185,25 @@ def _group_factor(group: dict, factor: float, step: int, delay_steps: int, warmu
     return factor * min(1.0, (step - delay_steps + 1) / max(1, warmup))
 
 
+def fresh_model(dataset: InferenceDataset, params: TrainParams) -> HSTURecommender:
+    """The model `train` starts from: `params.preset` for this data, shaped by the recipe's model fields
+    (dropout, id rows, window, tags, tag match) and initialised by `initialise`, on `params.device`.
+    Seed torch first for a reproducible draw (`train` seeds it with `params.seed`)."""
+    config = config_for_dataset(params.preset, dataset).replace(dropout=params.dropout)
+    overrides = {name: getattr(params, name) for name in ("position_table_size", "video_hash_size", "user_hash_size")
+                 if getattr(params, name) is not None}
+    config = config.replace(**overrides, attention_window=trained_attention_window(params))
+    tags = VideoTagTable.from_dataset_dir(dataset.root) if params.video_tags else None
+    if params.video_tags and tags is None:
+        raise ValueError(f"{dataset.root} has no video tags (its source had no "
+                         f"{schema.VIDEO_FEATURES_BASIC}); train without video_tags")
+    if tags is not None:
+        config = config.replace(num_video_tags=tags.num_rows, tag_match_bias=params.tag_match_bias)
+    model = HSTURecommender(config, device=params.device, video_tags=tags)
+    initialise(model, params)
+    return model
+
+
 def train(
     dataset: InferenceDataset, params: TrainParams, model: HSTURecommender | None = None
 ) -> tuple[HSTURecommender, TrainReport]:
@@ -195,18 +214,7 @@ def train(
     torch.manual_seed(params.seed)
     rng = np.random.default_rng(params.seed)
     if model is None:
-        config = config_for_dataset(params.preset, dataset).replace(dropout=params.dropout)
-        overrides = {name: getattr(params, name) for name in ("position_table_size", "video_hash_size", "user_hash_size")
-                     if getattr(params, name) is not None}
-        config = config.replace(**overrides, attention_window=trained_attention_window(params))
-        tags = VideoTagTable.from_dataset_dir(dataset.root) if params.video_tags else None
-        if params.video_tags and tags is None:
-            raise ValueError(f"{dataset.root} has no video tags (its source had no "
-                             f"{schema.VIDEO_FEATURES_BASIC}); train without video_tags")
-        if tags is not None:
-            config = config.replace(num_video_tags=tags.num_rows, tag_match_bias=params.tag_match_bias)
-        model = HSTURecommender(config, device=params.device, video_tags=tags)
-        initialise(model, params)
+        model = fresh_model(dataset, params)
     # The blocked torch path: the Triton kernel computes forwards only (it has no backward).
     serving_backend, model.attention_backend = model.attention_backend, TRAINING_ATTENTION
     started = time.perf_counter()

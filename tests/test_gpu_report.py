@@ -26,6 +26,7 @@ def test_the_gpu_plan_measures_the_target_shapes_within_the_budget(tmp_path):
         assert part in block, part
     replay = " ".join(steps["end2end"].commands[-1])
     assert "--dtype bfloat16" in replay and "--device cuda" in replay and "--no_compare" not in replay
+    assert "--recipe sequence" in replay  # the shipped model's kernel variants: tag match, a 512-event window
     assert not any("--collect-only" in command for command in steps["tests"].commands)
     launches = " ".join(steps["launches"].commands[0])
     assert "--device cuda" in launches and "--dtype bfloat16" in launches and "--history 4096" in launches
@@ -46,6 +47,7 @@ def test_the_dry_run_executes_every_step_and_reports(tmp_path):
     assert "collected" in steps["tests"]["output_tail"] or "tests collected" in steps["tests"]["output_tail"]
     assert [(r["history"], r["batch"]) for r in steps["block"]["result"]["rows"]] == [(64, 1), (64, 2)]
     assert steps["end2end"]["result"]["parity"] == "pass" and steps["end2end"]["result"]["speedup"] > 0
+    assert steps["end2end"]["result"]["model"]["tag_match_bias"] is True
     # The CPU profiler's path: eager only (no graphs off CUDA), flat from B=1 to B=8.
     launches = steps["launches"]["result"]
     assert [(r["batch"], r["mode"]) for r in launches["rows"]] == [(1, "eager"), (8, "eager")]
