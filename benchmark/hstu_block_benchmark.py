@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -64,9 +65,10 @@ def layer_flops(cfg: HSTUConfig, new: int, cached: int, candidates: int, history
     tokens = new + candidates
     projections = 2 * tokens * d * 4 * a
     window = cached + new
-    # history queries: query i attends keys [0, cached + i] -> sum over i of (cached + i + 1)
-    hist_keys = new * cached + new * (new + 1) / 2 if history_outputs else 0
-    attention = 2 * 2 * a * (hist_keys + candidates * (window + 1))  # QK^T and AV
+    # history query i attends keys [0, cached + i], or its last attention_window of them
+    reach = cfg.attention_window or window
+    hist_keys = float(np.minimum(cached + np.arange(1, new + 1), reach).sum()) if history_outputs else 0.0
+    attention = 2 * 2 * a * (hist_keys + candidates * (min(window, reach) + 1))  # QK^T and AV; +1: itself
     output = 2 * (tokens if history_outputs else candidates) * a * d
     return projections + attention + output
 

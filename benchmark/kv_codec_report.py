@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args.kv_pages, args.host_capacity, args.async_offload, args.kv_tier = None, None, False, "memory"
     args.kv_codec = "raw"  # replaced per pass
     args.device, args.dtype, args.seed, args.attention_window = "cpu", "float32", 0, None
+    args.recipe = None  # a random-init model is the preset as is
     dataset = InferenceDataset(args.data_dir)
     model = load_model(args, dataset)
     from_ms = beijing_midnight_ms(args.from_date)

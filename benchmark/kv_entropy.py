@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     # the fields load_model and cache_config read, as inference_end2end_example.py defaults them
     args.device, args.dtype, args.seed, args.batch_size, args.attention_window = "cpu", "float32", 0, 8, None
+    args.recipe = None  # a random-init model is the preset as is
     args.kv_pages, args.host_capacity, args.async_offload, args.kv_tier, args.kv_codec = None, None, False, "memory", "raw"
     dataset = InferenceDataset(args.data_dir)
     model = load_model(args, dataset)

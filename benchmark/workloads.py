@@ -14,16 +14,23 @@ import torch
 from data.batch import VisitBatch
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
+from model.video_tags import VideoTagTable
 
 T0_MS = 1_649_376_000_000
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+VIDEO_ID_RANGE = 10  # visit_batches draws video ids below this many times the model's video rows
+BENCHMARK_TAGS = 64  # about the demo data's 65 tag rows
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--preset, --dtype and --device of a benchmark's model (`model_from_flags`)."""
+    """--preset, --dtype, --device and the attention's options of a benchmark's model (`model_from_flags`)."""
     p.add_argument("--preset", default="kuairand-1k")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--attention_window", type=int, default=0,
+                   help="sliding attention window in events, 0 = every key (--recipe sequence serves 512)")
+    p.add_argument("--tag_match", action="store_true",
+                   help=f"tag every video (one of {BENCHMARK_TAGS} tags at random) and add the tag-match term")
 
 
 def model_from_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> HSTURecommender:
@@ -32,19 +39,27 @@ def model_from_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> HS
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available on this machine")
-    cfg = preset(args.preset, video_hash_size=1024, user_feature_cardinalities=())
+    if args.attention_window < 0:
+        p.error(f"--attention_window must be >= 0, got {args.attention_window}")
+    cfg = preset(args.preset, video_hash_size=1024, user_feature_cardinalities=(),
+                 attention_window=args.attention_window)
+    tags = None
+    if args.tag_match:  # every id visit_batches draws gets a tag, so the term fires as often as the tags repeat
+        videos = np.arange(VIDEO_ID_RANGE * cfg.video_hash_size)
+        tags = VideoTagTable.from_pairs(videos, np.random.default_rng(0).integers(0, BENCHMARK_TAGS, len(videos)))
+        cfg = cfg.replace(num_video_tags=tags.num_rows, tag_match_bias=True)
     torch.manual_seed(0)
-    return HSTURecommender(cfg, device=device).to(DTYPES[args.dtype]).eval()
+    return HSTURecommender(cfg, device=device, video_tags=tags).to(DTYPES[args.dtype]).eval()
 
 
 def visit_batches(config: HSTUConfig, batch: int, history: int, new: int, candidates: int, seed: int = 0
                   ) -> tuple[VisitBatch, VisitBatch]:
     """-> (full: events [0, history) of every user, incremental: events [history - new, history))."""
     rng = np.random.default_rng(seed)
-    videos = rng.integers(0, 10 * config.video_hash_size, size=(batch, history))
+    videos = rng.integers(0, VIDEO_ID_RANGE * config.video_hash_size, size=(batch, history))
     actions = rng.integers(0, 256, size=(batch, history))
     times = T0_MS + 60_000 * np.arange(history)[None, :].repeat(batch, 0)
-    cands = rng.integers(0, 10 * config.video_hash_size, size=batch * candidates)
+    cands = rng.integers(0, VIDEO_ID_RANGE * config.video_hash_size, size=batch * candidates)
     num_features = len(config.user_feature_cardinalities)
     features = np.stack([rng.integers(0, c, size=batch) for c in config.user_feature_cardinalities], 1) \
         if num_features else np.zeros((batch, 0), dtype=np.int64)
