@@ -30,10 +30,10 @@ from kvcache import KVCacheConfig, KVCacheManager, PageLayout
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
 from model.config import config_for_dataset
 from model.cuda_graphs import use_cuda_graphs
+from model.fresh_model import fresh_model
 from model.inference import InferenceSession
 from model.recommender import HSTURecommender
 from model.replay import ReplayPass, compare, replay
-from model.train import fresh_model
 from model.train_params import RECIPES, TrainParams
 from model.warm_up import warm_up
 from serving_cost import ServingCost, probe, probed_batches

@@ -28,21 +28,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from data import schema
 from data.batch import VisitBatch
 from data.dataset import InferenceDataset
 from data.schema import TASKS
 from model.attention import BlockedAttention
 from model.checkpoint import save_checkpoint
-from model.config import PRESET_NAMES, config_for_dataset
+from model.config import PRESET_NAMES
 from model.evaluation import EarlyStopping, score_requests, window_batch
-from model.features import VIDEO_TAG
+from model.fresh_model import fresh_model
 from model.metrics import per_task_auc, selection_score
 from model.next_item_loss import NextItemLoss, NextItemTargets
 from model.recommender import HSTURecommender, ModelInputs
 from model.train_arguments import add_recipe_arguments, parse_recipe_arguments, recipe_params
-from model.train_params import EpochReport, TrainParams, TrainReport, split_requests, trained_attention_window
-from model.video_tags import VideoTagTable
+from model.train_params import EpochReport, TrainParams, TrainReport, split_requests
 
 log = logging.getLogger(__name__)
 # The blocked attention while training, with 128 query rows x 128 keys per block: cropped windows are
@@ -50,22 +48,6 @@ log = logging.getLogger(__name__)
 TRAINING_ATTENTION = BlockedAttention(query_block=128, key_block=128)
 # Marks the optimiser groups of the candidate-only terms (TrainParams.candidate_terms_delay_epochs).
 CANDIDATE_TERM = "candidate_term"
-
-
-def initialise(model: HSTURecommender, params: TrainParams) -> None:
-    """The start `params` asks of a fresh model (TrainParams.tag_embedding_std, .tied_query_key_init,
-    .tag_match_prior)."""
-    with torch.no_grad():
-        if params.tag_match_prior is not None:
-            for layer in model.layers:
-                layer.relative_bias.tag_match.fill_(params.tag_match_prior)
-        if params.tag_embedding_std is not None:
-            model.embedder.collection.embeddings[f"table_{VIDEO_TAG}"].weight.normal_(std=params.tag_embedding_std)
-        if params.tied_query_key_init:
-            for layer in model.layers:
-                for tensor in (layer.uvqk.weight, layer.uvqk.bias):
-                    _, _, query, key = tensor.chunk(4, dim=0)  # the rows of u, v, q and k (views)
-                    key.copy_(query)
 
 
 def _optimizers(model: HSTURecommender, params: TrainParams, extra: nn.Module | None = None,
@@ -183,25 +165,6 @@ def _group_factor(group: dict, factor: float, step: int, delay_steps: int, warmu
     if step < delay_steps:
         return 0.0
     return factor * min(1.0, (step - delay_steps + 1) / max(1, warmup))
-
-
-def fresh_model(dataset: InferenceDataset, params: TrainParams) -> HSTURecommender:
-    """The model `train` starts from: `params.preset` for this data, shaped by the recipe's model fields
-    (dropout, id rows, window, tags, tag match) and initialised by `initialise`, on `params.device`.
-    Seed torch first for a reproducible draw (`train` seeds it with `params.seed`)."""
-    config = config_for_dataset(params.preset, dataset).replace(dropout=params.dropout)
-    overrides = {name: getattr(params, name) for name in ("position_table_size", "video_hash_size", "user_hash_size")
-                 if getattr(params, name) is not None}
-    config = config.replace(**overrides, attention_window=trained_attention_window(params))
-    tags = VideoTagTable.from_dataset_dir(dataset.root) if params.video_tags else None
-    if params.video_tags and tags is None:
-        raise ValueError(f"{dataset.root} has no video tags (its source had no "
-                         f"{schema.VIDEO_FEATURES_BASIC}); train without video_tags")
-    if tags is not None:
-        config = config.replace(num_video_tags=tags.num_rows, tag_match_bias=params.tag_match_bias)
-    model = HSTURecommender(config, device=params.device, video_tags=tags)
-    initialise(model, params)
-    return model
 
 
 def train(

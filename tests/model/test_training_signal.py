@@ -200,7 +200,7 @@ def test_the_tag_matching_start_ties_keys_to_queries_and_widens_the_tag_table(da
     similarity of the two tokens) and the tag table is drawn at the std asked; the trainer applies it to a
     fresh model, before the first step."""
     from model.features import VIDEO_TAG
-    from model.train import initialise
+    from model.fresh_model import initialise
     from model.video_tags import VideoTagTable
 
     params = TrainParams(preset="tiny", video_tags=True, tag_embedding_std=0.5, tied_query_key_init=True)
@@ -226,7 +226,7 @@ def test_the_tag_matching_start_ties_keys_to_queries_and_widens_the_tag_table(da
     assert all(torch.equal(plain_state[n], plain.state_dict()[n]) for n in plain_state)
 
     seen = []
-    monkeypatch.setattr("model.train.initialise", lambda m, p: seen.append(p))
+    monkeypatch.setattr("model.fresh_model.initialise", lambda m, p: seen.append(p))
     train(dataset, replace(params, epochs=1, batch_size=8, max_train_requests=8))
     assert seen and seen[0].tied_query_key_init
 
@@ -266,7 +266,8 @@ def test_the_tag_match_bias_trains_and_survives_its_checkpoint(dataset, tmp_path
 def test_the_bias_tables_start_at_the_prior_asked_and_learn_at_their_own_rate(dataset):
     """`tag_match_prior` is where every head's offset starts; `bias_learning_rate` gives the position,
     time and tag tables (and nothing else) their own optimiser group."""
-    from model.train import _optimizers, initialise
+    from model.fresh_model import initialise
+    from model.train import _optimizers
     from model.video_tags import VideoTagTable
 
     tags = VideoTagTable.from_dataset_dir(dataset.root)
