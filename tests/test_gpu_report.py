@@ -90,7 +90,7 @@ def test_a_host_sync_in_the_forward_is_named_and_the_launches_still_counted(monk
 
     import launch_count
 
-    from workloads import model_from_flags
+    from workloads import add_model_flags, model_from_flags
 
     @contextmanager
     def raising(device):
@@ -98,7 +98,9 @@ def test_a_host_sync_in_the_forward_is_named_and_the_launches_still_counted(monk
         yield
 
     monkeypatch.setattr(launch_count, "no_host_syncs", raising)
-    model = model_from_flags(argparse.ArgumentParser(), argparse.Namespace(preset="tiny", dtype="float32", device="cpu"))
+    parser = argparse.ArgumentParser()
+    add_model_flags(parser)
+    model = model_from_flags(parser, parser.parse_args(["--preset", "tiny", "--dtype", "float32", "--device", "cpu"]))
     rows = [r for b in (1, 2) for r in launch_count.measure(model, b, 48, 8, 4, graphs=None)]
     assert [r.host_sync for r in rows] == ["called a synchronizing CUDA operation"] * 2
     assert all(r.launches > 0 for r in rows)  # counted unchecked; each batch rolled back, so the next prepared
