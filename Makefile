@@ -88,7 +88,7 @@ endif
 		$(if $(DEMO_REQUESTS),--max_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/end2end.json
 	$(PY) benchmark/quality_benchmark.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
 		$(if $(DEMO_REQUESTS),--max_eval_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/quality.json
-	$(PY) benchmark/order_ablation.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) --last_k 0 \
+	$(PY) benchmark/order_ablation.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) --last_k 0 --no_shuffle \
 		$(if $(DEMO_REQUESTS),--max_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/order_ablation.json
 
 clean:

@@ -29,6 +29,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint", required=True, help="model.train output directory")
     p.add_argument("--split_date", type=int, default=DEFAULT_SPLIT_DATE, help="YYYYMMDD: score the visits from it on")
     p.add_argument("--last_k", type=int, nargs="+", default=[0, 1, 16], help="window cuts to score (0: no event)")
+    p.add_argument("--no_shuffle", action="store_true",
+                   help="skip the shuffled history (a data set without order: a full pass saved)")
     p.add_argument("--max_requests", type=int, default=None, help="score only the first N visits")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="of the shuffles and the bootstrap")
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no visits on or after {args.split_date} in {args.data_dir}", file=sys.stderr)
         return 2
     result = order_ablation(model, dataset, indices, args.batch_size, tuple(args.last_k), args.seed,
-                            resamples=args.resamples)
+                            resamples=args.resamples, shuffle=not args.no_shuffle)
     print(format_ablation(result))
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -77,9 +77,10 @@ class OrderAblation:
 def order_ablation(
     model: HSTURecommender, dataset: InferenceDataset, indices: np.ndarray, batch_size: int = 8,
     last_k: tuple[int, ...] = (0, 1, 16), seed: int = 0, progress: bool = True, resamples: int = 1000,
+    shuffle: bool = True,
 ) -> OrderAblation:
-    """Score `indices` as logged, shuffled (seeded) and cut to each K of `last_k`; each variant's change
-    of click AUC gets an interval from `resamples` resamples of the users."""
+    """Score `indices` as logged, shuffled (seeded; unless not `shuffle`) and cut to each K of `last_k`; each
+    variant's change of click AUC gets an interval from `resamples` resamples of the users."""
     if any(k < 0 for k in last_k):
         raise ValueError(f"last_k must be >= 0, got {last_k}")
     rng = np.random.default_rng(seed)
@@ -88,8 +89,9 @@ def order_ablation(
         return score_requests(model, dataset, indices, batch_size, desc=f"order ablation: {name}", progress=progress,
                               **kwargs)
 
-    runs = {AS_LOGGED: scored(AS_LOGGED),
-            SHUFFLED: scored(SHUFFLED, edit_batch=lambda batch: shuffle_within_windows(batch, rng))}
+    runs = {AS_LOGGED: scored(AS_LOGGED)}
+    if shuffle:
+        runs[SHUFFLED] = scored(SHUFFLED, edit_batch=lambda batch: shuffle_within_windows(batch, rng))
     for k in last_k:
         runs[last_k_name(k)] = scored(last_k_name(k), max_history_events=k)
     logged = runs[AS_LOGGED].logits[:, CLICK]

@@ -76,6 +76,12 @@ def test_the_script_writes_every_variant_and_refuses_bad_options(dataset, tmp_pa
     assert report["variants"]["history-free"]["click_auc"] == pytest.approx(
         report["variants"][AS_LOGGED]["click_auc"] + report["variants"]["history-free"]["click_auc_change"]["estimate"])
     assert "history-free" in capsys.readouterr().out
+    assert ablation_main(["--data_dir", str(dataset.root), "--checkpoint", str(tmp_path / "ckpt"), "--last_k", "0",
+                          "--max_requests", "16", "--resamples", "100", "--no_shuffle", "--output", str(out)]) == 0
+    unshuffled = json.loads(out.read_text())["variants"]
+    assert list(unshuffled) == [AS_LOGGED, "history-free"]  # no shuffled pass, the others as before
+    assert unshuffled["history-free"] == report["variants"]["history-free"]
+    assert SHUFFLED not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         ablation_main(["--data_dir", str(dataset.root), "--checkpoint", str(tmp_path / "ckpt"), "--resamples", "0"])
     assert "--resamples must be >= 1, got 0" in capsys.readouterr().err
