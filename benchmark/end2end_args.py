@@ -228,6 +228,16 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     return args
 
 
+def replay_defaults(**fields) -> argparse.Namespace:
+    """The replay's arguments as `parse_args` fills them for a bare `--data_dir`, with `fields` set over
+    them: for scripts that reuse inference_end2end_example's `load_model` and `cache_config` without its
+    command line (kv_codec_report.py, kv_entropy.py), so a flag the replay gains has its default there too."""
+    args = parse_args(build_parser(""), ["--data_dir", str(fields.get("data_dir", "."))])
+    for name, value in fields.items():
+        setattr(args, name, value)
+    return args
+
+
 def plot_path(args: argparse.Namespace) -> Path:
     return Path(args.plot) if args.plot else Path(args.output).with_suffix(".png")
 

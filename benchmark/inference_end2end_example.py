@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
 
     costs = {} if args.no_cost_probe else probe_costs(args, model, dataset, config, fingerprint, batches, from_ms)
     task_names = TASKS
+    ends = dataset.requests.end[indices]
+    unread = model.layout.tokens_never_read_again(ends, model.config.attention_window)
+    unread_share = float(unread.sum() / model.layout.window_tokens(ends).sum())
     report = {
         "num_requests": cached.num_requests,
         "num_users": len(np.unique(dataset.requests.user_id[indices])),
@@ -228,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "cuda_graphs": graphs,
         "kernel_warm_up": kernel_warm_up.as_dict(),
         "model": model.config.to_dict(),
+        "window_tokens_never_read_again": unread_share,
         "checkpoint": args.checkpoint,
         "seconds": {p.name: p.seconds for p in passes},
         "throughput_rps": {p.name: p.num_requests / p.seconds if p.seconds else None for p in passes},

@@ -27,6 +27,7 @@ from inference_end2end_example import cache_config, load_model, warmup_batches, 
 
 from data.dataset import InferenceDataset
 from data.schema import DEFAULT_SPLIT_DATE, TASKS, beijing_midnight_ms
+from end2end_args import replay_defaults
 from kvcache import KVCacheManager
 from kvcache.codecs import get_codec
 from kvcache.testing import copy_users
@@ -109,12 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full_reference", default=None,
                    help="an .npz keeping the full-recompute pass: replayed once, then reused by later runs")
     p.add_argument("--output", default="kv_codecs.json")
-    args = p.parse_args(argv)
-    # the fields load_model and cache_config read, as inference_end2end_example.py defaults them
-    args.kv_pages, args.host_capacity, args.async_offload, args.kv_tier = None, None, False, "memory"
-    args.kv_codec = "raw"  # replaced per pass
-    args.device, args.dtype, args.seed, args.attention_window = "cpu", "float32", 0, None
-    args.recipe = None  # a random-init model is the preset as is
+    # the replay's defaults for what load_model and cache_config read (kv_codec: replaced per pass), on the CPU
+    args = replay_defaults(**vars(p.parse_args(argv)), device="cpu")
     dataset = InferenceDataset(args.data_dir)
     model = load_model(args, dataset)
     from_ms = beijing_midnight_ms(args.from_date)

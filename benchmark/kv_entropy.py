@@ -35,6 +35,7 @@ from inference_end2end_example import cache_config, load_model, working_set_page
 
 from data.dataset import InferenceDataset
 from data.schema import DEFAULT_SPLIT_DATE, beijing_midnight_ms
+from end2end_args import replay_defaults
 from kvcache import KVCacheManager, PageLayout
 from kvcache.codecs import get_codec
 from kvcache.page_data import PageData
@@ -149,11 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_requests", type=int, default=300)
     p.add_argument("--from_date", type=int, default=DEFAULT_SPLIT_DATE)
     p.add_argument("--output", default="kv_entropy.json")
-    args = p.parse_args(argv)
-    # the fields load_model and cache_config read, as inference_end2end_example.py defaults them
-    args.device, args.dtype, args.seed, args.batch_size, args.attention_window = "cpu", "float32", 0, 8, None
-    args.recipe = None  # a random-init model is the preset as is
-    args.kv_pages, args.host_capacity, args.async_offload, args.kv_tier, args.kv_codec = None, None, False, "memory", "raw"
+    # the replay's defaults for what load_model and cache_config read, on the CPU
+    args = replay_defaults(**vars(p.parse_args(argv)), device="cpu")
     dataset = InferenceDataset(args.data_dir)
     model = load_model(args, dataset)
     indices = dataset.request_indices(from_time_ms=beijing_midnight_ms(args.from_date), max_requests=args.max_requests)

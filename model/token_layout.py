@@ -71,6 +71,15 @@ class TokenLayout:
         ends = np.asarray(ends, dtype=np.int64)
         return self.num_prefix + ends - self.window_start(ends)
 
+    def tokens_never_read_again(self, ends: np.ndarray, attention_window: int) -> np.ndarray:
+        """[n] of each window's tokens at history end E, those no later query reads through a sliding
+        attention window of `attention_window` events (0: every key, so none): the events more than that
+        many back. The prefix is read by every query (docs/kvcache.md, "What a windowed model never reads
+        again")."""
+        if attention_window == 0:
+            return np.zeros(len(np.asarray(ends)), dtype=np.int64)
+        return np.maximum(self.window_tokens(ends) - self.num_prefix - attention_window, 0)
+
     def plan(self, ends: np.ndarray, cached_start_pos: np.ndarray, cached_lengths: np.ndarray) -> VisitPlan:
         """Which events each visit computes, given the cache's `(start, length)` in tokens.
 

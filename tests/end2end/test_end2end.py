@@ -102,6 +102,7 @@ def test_a_recipe_shapes_the_random_model_as_training_starts_it(pipeline, tmp_pa
     assert model["attention_window"] == RECIPES["sequence"]["max_history_events"]
     assert model["video_hash_size"] == RECIPES["sequence"]["video_hash_size"]
     assert result["parity"] == "pass" and result["max_abs_logit_diff"] <= 1e-4
+    assert 0.0 <= result["window_tokens_never_read_again"] < 1.0
     example = load_example()
     args = example.parse_args(example.build_parser(""), ["--data_dir", str(pipeline / "processed"), "--preset", "tiny",
                                                        "--recipe", "sequence", "--attention_window", "16"])

@@ -168,3 +168,13 @@ def test_a_kv_dir_that_cannot_be_created_is_refused(example, processed: Path, tm
 def test_a_directory_that_is_not_an_output_names_data_dir(example, tmp_path: Path, capsys):
     code, err = run(example, ["--data_dir", str(tmp_path), "--output", str(tmp_path / "r.json")], capsys)
     assert_refused(code, err, "--data_dir", "manifest")
+
+
+def test_replay_defaults_are_the_parsers_with_the_fields_given_over_them(tmp_path: Path):
+    """What kv_codec_report.py and kv_entropy.py hand to the replay's load_model and cache_config."""
+    from end2end_args import build_parser, parse_args, replay_defaults
+
+    parsed = vars(parse_args(build_parser(""), ["--data_dir", str(tmp_path)]))
+    given = vars(replay_defaults(data_dir=str(tmp_path), device="cpu", batch_size=3, codecs=["raw"]))
+    assert given == {**parsed, "device": "cpu", "batch_size": 3, "codecs": ["raw"]}
+    assert given["recipe"] is None and given["kv_codec"] == "raw" and given["preset"] == "demo"
