@@ -170,6 +170,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--kv_codec", type=kv_codec, default=DEFAULT_CODEC,
                    help=f"how host tiers store K/V pages: {', '.join(codec_names())} (kvcache/codecs/registry.py; "
                         "lossy ones, bf16, fp16, int8, mixed, change logits: give --tolerance) (default %(default)s)")
+    p.add_argument("--keep_unread_kv", action="store_true",
+                   help="offload the K/V a windowed model never reads again as they are, instead of as zeros "
+                        "(kvcache/read_window.py; exact either way)")
     p.add_argument("--no_warmup", action="store_true",
                    help="start the cached pass cold instead of serving each user's last earlier visit first")
     p.add_argument("--no_compare", action="store_true", help="skip the full-recompute pass")

@@ -9,7 +9,8 @@ is copied into each codec's tiers, so every returning user starts there and its 
 what the codec kept; the device pool is a quarter of the working set (users are evicted and
 onloaded again), as the example's. Per codec: max and mean |logit diff| against the raw
 (uncompressed) cached pass, every task's AUC and its change against full recompute, the bytes per
-token the host tier stores and its ratio to the raw pages of the same entries. The full-recompute
+token the host tier stores and its ratio to the raw pages of the same entries (a windowed model's
+unread K/V leave the device as zeros unless `--keep_unread_kv`: kvcache/read_window.py). The full-recompute
 pass is replayed once per run, or once for several runs with `--full_reference PATH`.
 Onload time per codec: benchmark/tier_benchmark.py --kv_codecs.
 """
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_requests", type=int, default=None, help="replay only the first N visits (150: minutes on CPU)")
     p.add_argument("--full_reference", default=None,
                    help="an .npz keeping the full-recompute pass: replayed once, then reused by later runs")
+    p.add_argument("--keep_unread_kv", action="store_true",
+                   help="store the K/V a windowed model never reads again as they are (default: as zeros, exact)")
     p.add_argument("--output", default="kv_codecs.json")
     # the replay's defaults for what load_model and cache_config read (kv_codec: replaced per pass), on the CPU
     args = replay_defaults(**vars(p.parse_args(argv)), device="cpu")
@@ -125,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"full recompute: {full.num_requests} visits ({time.perf_counter() - started:.0f} s)", flush=True)
     specs = ["raw", *[s for s in args.codecs if s != "raw"]]
     warm = warm_cache(args, model, dataset, warmup, pages_needed, largest)
+    cache_window = warm.config.read_window
     rows, reference = {}, None
     for spec in specs:
         started = time.perf_counter()
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(f"{spec}: {time.perf_counter() - started:.0f} s", flush=True)
         report = {"data_dir": args.data_dir, "checkpoint": args.checkpoint, "num_requests": full.num_requests,
+                  "read_window": None if cache_window is None else dataclasses.asdict(cache_window),
                   "full_recompute_auc": full_auc, "codecs": rows}
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(report, indent=2))  # after every codec: a cut run keeps its rows

@@ -24,6 +24,7 @@ from .manager import KVCacheManager
 from .metadata import KVCacheMetadata
 from .page_data import PageData
 from .policy import EvictionPolicy, LFUPolicy, LRUPolicy
+from .read_window import ReadWindow
 from .stats import CacheStats
 from .storage import (
     DiskHostStorage,
@@ -62,6 +63,7 @@ __all__ = [
     "LRUPolicy",
     "PageData",
     "PageLayout",
+    "ReadWindow",
     "TierDataError",
     "TieredHostStorage",
     "build_host_storage",

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .read_window import ReadWindow
+
 EVICTION_POLICIES = ("lru", "lfu")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -76,6 +78,8 @@ class KVCacheConfig:
     (None: no bound) is abandoned and served as a miss. `kv_codec` (a spec of `kvcache.codecs`)
     encodes the pages every host tier stores; the default, `raw`, stores them exact and as they are.
     `stage_offloads` (None: on CUDA) gathers the pages of users offloaded together in one copy.
+    `read_window` (None: every cached token may be read again) names the tokens a sliding-window
+    model still reads; the others leave the device as zeros (kvcache/read_window.py).
     """
 
     num_layers: int
@@ -97,6 +101,7 @@ class KVCacheConfig:
     tier_timeout_s: float | None = 0.5
     kv_codec: str = "raw"
     stage_offloads: bool | None = None
+    read_window: ReadWindow | None = None
 
     @property
     def stages_offloads(self) -> bool:
@@ -128,6 +133,8 @@ class KVCacheConfig:
             raise ValueError(f"KVCacheConfig.async_offload must be a bool, got {self.async_offload!r}.")
         if self.stage_offloads is not None and not isinstance(self.stage_offloads, bool):
             raise ValueError(f"KVCacheConfig.stage_offloads must be a bool or None, got {self.stage_offloads!r}.")
+        if self.read_window is not None and not isinstance(self.read_window, ReadWindow):
+            raise ValueError(f"KVCacheConfig.read_window must be a kvcache.ReadWindow or None, got {self.read_window!r}.")
         self._check_tiers()
         self._check_codec()
 

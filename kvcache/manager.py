@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .cache_version import CacheVersion, Residence
+from .codecs import get_codec
 from .config import KVCacheConfig
 from .errors import KVCacheRequestError
 from .events import CacheEventListener, CacheEvents
@@ -71,7 +72,8 @@ class KVCacheManager:
         self._counters = new_counters()
         self._residency = Residency(
             self._layout, self._pool, host_storage, self._policy, self._events, self._counters, self._in_flight,
-            stage_offloads=config.stages_offloads,
+            stage_offloads=config.stages_offloads, read_window=config.read_window,
+            compact_unread=get_codec(config.kv_codec).shrinks_zeros,
         )
         self._users = self._residency.users
         self._transactions = Transactions(self._residency, self._events, self._counters)

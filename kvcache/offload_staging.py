@@ -25,6 +25,7 @@ import torch
 
 from .config import PageLayout
 from .page_data import PageData
+from .read_window import ReadWindow
 from .storage import HostEntry
 
 if TYPE_CHECKING:
@@ -38,9 +39,12 @@ class OffloadWrite(NamedTuple):
     pages: array  # the device pages of the user's pages [first_page, num_pages)
 
 
-def plan_offload(user_id: int, res: Resident, held: HostEntry | None, layout: PageLayout) -> OffloadWrite | str:
+def plan_offload(user_id: int, res: Resident, held: HostEntry | None, layout: PageLayout,
+                 compact: ReadWindow | None = None) -> OffloadWrite | str:
     """What the host (holding `held`) lacks of the user's committed device data `res`, or why nothing is
-    written: "synced" (the host holds it; `res.synced` is set) or "superseded"."""
+    written: "synced" (the host holds it; `res.synced` is set) or "superseded". With `compact`, an
+    incremental write starts early enough to rewrite the pages whose tokens went unread since they
+    were written (`ReadWindow.compact_from`)."""
     ours = HostEntry(res.start_pos, res.length, res.tag)
     if held == ours:
         res.synced = ours
@@ -51,6 +55,8 @@ def plan_offload(user_id: int, res: Resident, held: HostEntry | None, layout: Pa
     if held is not None and held == res.synced:
         # Rewrite the partial last page, then the new ones (the last page alone for a new tag).
         first = min(held.length // layout.page_size, num_pages - 1)
+        if compact is not None:
+            first = compact.compact_from(res.length, res.zeroed_end, first, layout.page_size)
     else:
         first = 0
     return OffloadWrite(user_id, res, first, res.pages[first:num_pages])

@@ -34,6 +34,7 @@ from .offload_staging import OffloadStaging, OffloadWrite, plan_offload
 from .page_data import PageData, decoded
 from .policy import EvictionPolicy
 from .pool import DevicePagePool
+from .read_window import ReadWindow, zero_unread
 from .storage import HostEntry, HostKVStorage, HostPages
 
 _NOTHING = HostEntry(0, 0)
@@ -42,7 +43,7 @@ _NOTHING = HostEntry(0, 0)
 class Resident:
     """A user's committed tokens on the device (plus reserved pages while in flight)."""
 
-    __slots__ = ("generation", "length", "pages", "start_pos", "synced", "tag")
+    __slots__ = ("generation", "length", "pages", "start_pos", "synced", "tag", "zeroed_end")
 
     def __init__(self, start_pos: int, length: int, pages: array, tag: bytes = b"", synced: HostEntry | None = None):
         self.start_pos = start_pos
@@ -53,6 +54,9 @@ class Resident:
         # The host entry this manager last wrote or onloaded for the user: an offload appends only to
         # that one, never to an entry another writer (node, process) put there meanwhile.
         self.synced = synced
+        # With a read window: the host's copy holds zeros for the unread tokens before this one
+        # (bookkeeping of what rewrites pay, kvcache/read_window.py; values never depend on it).
+        self.zeroed_end = 0
 
 
 class Onload(NamedTuple):
@@ -69,7 +73,10 @@ class Residency:
     def __init__(
         self, layout: PageLayout, pool: DevicePagePool, host: HostKVStorage, policy: EvictionPolicy,
         events: CacheEvents, counters: dict[str, int], in_flight: set[int], stage_offloads: bool = False,
+        read_window: ReadWindow | None = None, compact_unread: bool = False,
     ) -> None:
+        """`read_window`: offloads write zeros for the tokens it says are never read again, and with
+        `compact_unread` (a codec that stores zeros in few bytes) rewrite pages that went unread."""
         self.layout = layout
         self.pool = pool
         self.host = host
@@ -80,6 +87,8 @@ class Residency:
         self.users: dict[int, Resident] = {}
         self.offload_requested: set[int] = set()  # async offloads not yet run
         self.staging = OffloadStaging(layout, pinned=pool.device.type == "cuda") if stage_offloads else None
+        self.read_window = read_window
+        self._compact = read_window if compact_unread else None
 
     def cached_entry(self, u: int) -> HostEntry:
         """What is reusable for the user: the device's committed tokens, else the host's entry, else (0, 0)."""
@@ -242,6 +251,8 @@ class Residency:
         """The user, whose pages `copy_onloads` copied, resident with exactly the entry its tier returned."""
         u, hp, pages = move
         res = self.users[u] = Resident(hp.start_pos, hp.length, pages, hp.tag, synced=hp.entry)
+        if self.read_window is not None:  # what any writer's compaction leaves at most unzeroed
+            res.zeroed_end = self.read_window.unread_end(hp.length) - self.read_window.size
         self.policy.add(u)
         self._counters["onloaded_bytes"] += len(pages) * self.layout.page_nbytes
         self._events.on_device(u, hp.start_pos, hp.length)
@@ -288,10 +299,17 @@ class Residency:
             fill = lambda dst: dst.copy_(pages)
         else:
             fill = lambda dst: self.pool.copy_out(w.pages, dst)
+        window = self.read_window
+        if window is not None:
+            unread = (window.sink, window.unread_end(res.length))
+            copy = fill
+            fill = lambda dst: (copy(dst), zero_unread(dst, w.first_page, unread, self.layout.page_size))
         result = self.host.write(w.user_id, res.start_pos, res.length, w.first_page, fill, protect=protect,
                                  tag=res.tag)
         if result.stored:
             res.synced = HostEntry(res.start_pos, res.length, res.tag)
+            if window is not None and w.first_page * self.layout.page_size <= max(res.zeroed_end, window.sink):
+                res.zeroed_end = window.unread_end(res.length)
             self._counters["offloaded_bytes"] += len(w.pages) * self.layout.page_nbytes
         else:
             self._counters["host_rejected_writes"] += 1
@@ -305,7 +323,7 @@ class Residency:
         res = self.users.get(u)
         if res is None or res.length == 0:
             return "nothing"
-        return plan_offload(u, res, self.host.info(u), self.layout)
+        return plan_offload(u, res, self.host.info(u), self.layout, self._compact)
 
 
 def _span(entry: HostEntry | None) -> tuple[int, int] | None:

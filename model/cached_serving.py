@@ -62,6 +62,11 @@ def serve_through_cache(
     for attempt in range(1, MAX_PLAN_ATTEMPTS + 1):
         plan, mismatches, versions, residences = _plan(layout, cache, user_ids, ends, tags)
         batch = make_batch(plan.starts, plan.window_starts)
+        behind = _reads_behind_cache(batch, plan) if cache.config.read_window is not None else None
+        if behind is not None and behind.any():
+            log.warning("recomputing %d user(s) whose candidates read history before the cached end", behind.sum())
+            plan = _recompute(cache, user_ids, plan, behind, versions)
+            batch = make_batch(plan.starts, plan.window_starts)
         spans = layout.spans(batch.window_starts, batch.starts, batch.history_lengths)
         try:
             meta = cache.prepare_kv_cache(
@@ -109,9 +114,27 @@ def _plan(layout, cache: KVCacheManager, user_ids: np.ndarray, ends: np.ndarray,
             log.warning("recomputing %d user(s) whose cached K/V do not match their history", mismatches)
             drop[stale] = True
     if drop.any():
-        dropped = np.flatnonzero(drop)
-        cache.invalidate_kv_cache(user_ids[dropped].tolist())
-        for i in dropped:  # planned from nothing: whatever another caller caches meanwhile makes the prepare stale
-            versions[i] = NOTHING
-        plan = VisitPlan(plan.window_starts, np.where(drop, plan.window_starts, plan.starts), invalidate=drop)
+        plan = _recompute(cache, user_ids, plan, drop, versions)
     return plan, mismatches, versions, residences
+
+
+def _recompute(cache: KVCacheManager, user_ids: np.ndarray, plan: VisitPlan, drop: np.ndarray,
+               versions: list[CacheVersion]) -> VisitPlan:
+    """`plan` with the `drop` users' cached data invalidated and their windows computed from the start."""
+    dropped = np.flatnonzero(drop)
+    cache.invalidate_kv_cache(user_ids[dropped].tolist())
+    for i in dropped:  # planned from nothing: whatever another caller caches meanwhile makes the prepare stale
+        versions[i] = NOTHING
+    return VisitPlan(plan.window_starts, np.where(drop, plan.window_starts, plan.starts), invalidate=plan.invalidate | drop)
+
+
+def _reads_behind_cache(batch: VisitBatch, plan: VisitPlan) -> np.ndarray:
+    """[B] bool: visits continuing cached data with a candidate that sees history ending before the cached
+    end. A cache with a read window (kvcache/read_window.py) may hold zeros for the keys that candidate
+    reads, which no query at or after the cached end reads."""
+    if batch.candidate_history_ends is None:
+        return np.zeros(batch.batch_size, dtype=bool)
+    visit = np.repeat(np.arange(batch.batch_size), batch.candidate_lengths)
+    early = batch.candidate_history_ends < plan.starts[visit]
+    reusing = plan.starts > plan.window_starts
+    return reusing & (np.bincount(visit[early], minlength=batch.batch_size) > 0)

@@ -130,6 +130,9 @@ class KVCodec(ABC):
     # encoded bytes to its device and decodes there (fewer bytes over the bus); otherwise (a CPU
     # library such as zstd) it decodes on the host and moves the decoded pages.
     decodes_on_device: bool = False
+    # Whether a page of zero K/V costs far fewer bytes than others (a compressing codec): what makes
+    # rewriting the pages a read window no longer reads worth it (kvcache/read_window.py).
+    shrinks_zeros: bool = False
 
     @property
     @abstractmethod

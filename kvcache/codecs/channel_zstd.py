@@ -19,7 +19,9 @@ bits are noise (8.0 bits per byte), and cost their size. The transform is tensor
 a chunk of pages at once; zstd runs three times a page.
 
 A page's bytes: three uint32 lengths, then zstd(references, packed reference signs, the tokens'
-times, the distances that did not fit a code), zstd(codes), zstd(mantissa bytes), the low bytes.
+times, the distances that did not fit a code), zstd(codes), zstd(mantissa bytes), the low bytes,
+left out when they are all zero (a page of K/V a read window zeroed, kvcache/read_window.py, costs
+its times and a few hundred bytes).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ _LENGTHS = np.dtype("<u4")
 
 class ChannelZstdCodec(InPlaceDecodingCodec):
     lossless = True
+    shrinks_zeros = True
 
     def __init__(self) -> None:
         self._zstd = zstd_contexts("zstd-channel", _LEVEL)
@@ -60,7 +63,7 @@ class ChannelZstdCodec(InPlaceDecodingCodec):
                 header = np.concatenate([refs[i], signs[i], times[i], far[i]])
                 parts = [self._compress(part) for part in (header, codes[i], mantissa[i])]
                 lengths = np.array([len(p) for p in parts], dtype=_LENGTHS).view(np.uint8)
-                rows.append(np.concatenate([lengths, *parts, low[i]]))
+                rows.append(np.concatenate([lengths, *parts] + ([low[i]] if low[i].any() else [])))
         return EncodedPages.from_rows(self.spec, rows)
 
     def decode_into(self, layout: PageLayout, encoded: EncodedPages, out: PageData) -> None:
@@ -94,7 +97,7 @@ class ChannelZstdCodec(InPlaceDecodingCodec):
             if len(row) < 12:
                 raise ValueError(f"{len(row)} bytes hold no lengths")
             sizes = [int(n) for n in row[:12].view(_LENGTHS)]
-            if 12 + sum(sizes) + planes.low_nbytes != len(row):
+            if len(row) - 12 - sum(sizes) not in (0, planes.low_nbytes):  # 0: the low bytes are zero
                 raise ValueError(f"{len(row)} bytes do not hold the lengths they state")
             ends = np.cumsum([12, *sizes])
             limits = (planes.header_nbytes + planes.values, planes.values // 2, planes.values)
@@ -104,7 +107,8 @@ class ChannelZstdCodec(InPlaceDecodingCodec):
         except (ValueError, self._zstd.error) as err:
             raise ValueError(f"Codec {self.spec}: page {index} is not this codec's encoding of the layout's pages "
                              f"({err}).") from None
-        return (*parts, row[ends[-1] :])
+        low = row[ends[-1] :]
+        return (*parts, low if len(low) else np.zeros(planes.low_nbytes, np.uint8))
 
     def _decompress(self, part: np.ndarray, limit: int) -> np.ndarray:
         return np.frombuffer(self._zstd.decompressor.decompress(part.tobytes(), max_output_size=limit), np.uint8)

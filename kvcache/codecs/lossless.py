@@ -32,6 +32,8 @@ CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the `values` a page m
 
 
 class ZstdCodec(KVCodec):
+    shrinks_zeros = True
+
     def __init__(self, level: int, shuffle: bool, values: str = "raw") -> None:
         self.level = level
         self.shuffle = shuffle

@@ -1,0 +1,126 @@
+"""A sliding-window model served through a cache that offloads its unread K/V as zeros
+(`HSTURecommender.cache_read_window`, kvcache/read_window.py): every returning user's logits are
+bit-identical to a cache that keeps them, while compressing tiers store far fewer bytes; a candidate
+that would read behind the cached end is recomputed instead."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from data.dataset import InferenceDataset
+from helpers import build_processed, sensitive_model
+from kvcache import KVCacheConfig, KVCacheManager, ReadWindow
+from model.cached_serving import serve_through_cache
+from model.config import config_for_dataset, preset
+from model.inference import InferenceSession
+
+WINDOW = 6  # events: the tiny data's users have tens of them, so most of a returning user's window goes unread
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    dataset = InferenceDataset(build_processed(tmp_path_factory.mktemp("read_window")))
+    model = sensitive_model(config_for_dataset("tiny", dataset).replace(attention_window=WINDOW), 0)
+    return dataset, model
+
+
+def cache_for(model, read_window, codec="zstd-channel") -> KVCacheManager:
+    cfg = model.config
+    return KVCacheManager(KVCacheConfig(
+        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
+        num_pages=300, host_capacity_bytes=1 << 23, kv_codec=codec, read_window=read_window,
+    ))
+
+
+def returning(model, dataset, read_window, count=60):
+    """Logits of the second half of a replay, every user evicted in between (onloaded from the host
+    tier), and the host tier's bytes at the end."""
+    cache = cache_for(model, read_window)
+    session = InferenceSession(model, dataset, kv_cache=cache)
+    indices = dataset.request_indices(max_requests=count)
+    with cache:
+        for batch in dataset.batches(indices[: count // 2], 4):
+            session.serve(batch)
+        cache.offload_kv_cache()
+        cache.evict_kv_cache()
+        results = [session.serve(b) for b in dataset.batches(indices[count // 2:], 4)]
+        cache.offload_kv_cache()
+        assert cache.stats().onloaded_bytes > 0
+        used = cache.host_storage.bytes_used
+    assert sum(r.tokens_reused for r in results) > 0
+    return torch.cat([r.logits.flatten() for r in results]), used
+
+
+def test_the_model_names_its_window():
+    config = preset("tiny", user_feature_cardinalities=(3, 4))
+    assert sensitive_model(config, 0).cache_read_window is None
+    windowed = sensitive_model(config.replace(attention_window=9), 0)
+    assert windowed.cache_read_window == ReadWindow(size=9, sink=windowed.layout.num_prefix)
+
+
+def test_unread_kv_offloaded_as_zeros_leave_every_logit_unchanged(world):
+    dataset, model = world
+    kept, kept_bytes = returning(model, dataset, None)
+    zeroed, zeroed_bytes = returning(model, dataset, model.cache_read_window)
+    assert torch.equal(kept, zeroed)
+    assert zeroed_bytes < 0.8 * kept_bytes
+
+
+def returning_visit(dataset) -> tuple[int, int]:
+    """(an earlier visit, the same user's next one): the earlier with a history of several windows."""
+    req = dataset.requests
+    for i in range(len(req)):
+        prev = np.flatnonzero(req.user_id[:i] == req.user_id[i])
+        if len(prev) and req.end[prev[-1]] >= 4 * WINDOW:
+            return int(prev[-1]), i
+    raise AssertionError("the test data has no returning user with a long history")
+
+
+def test_a_candidate_reading_behind_the_cached_end_is_recomputed(world):
+    """Only queries at or after the cached end are guaranteed their keys: a candidate that sees an
+    earlier history end is served by recomputing its user's window, as without a cache."""
+    dataset, model = world
+    earlier, visit = returning_visit(dataset)
+    req = dataset.requests
+    cache = cache_for(model, model.cache_read_window)
+    session = InferenceSession(model, dataset, kv_cache=cache)
+
+    def looking_back(starts, window_starts):
+        batch = dataset.make_batch(np.array([visit]), starts, window_starts)
+        ends = np.full(len(batch.candidate_video_ids), window_starts[0] + 2, dtype=np.int64)
+        return dataclasses.replace(batch, candidate_history_ends=ends)
+
+    with cache:
+        session.serve(np.array([earlier]))
+        cache.offload_kv_cache()
+        cache.evict_kv_cache()  # the user comes back with zeros where its window no longer reads
+        served = serve_through_cache(model, cache, req.user_id[visit : visit + 1], req.end[visit : visit + 1],
+                                     looking_back)
+    assert served.tokens_reused == 0
+    assert (served.batch.starts == served.batch.window_starts).all()
+    with torch.inference_mode():
+        assert torch.equal(served.logits, model(served.batch))
+
+
+def test_a_visit_with_no_new_events_reads_the_oldest_key_its_window_keeps(world):
+    """Served again at the same history end, a user's candidates see the cached window's last
+    `attention_window` keys, the oldest of them included, and its prefix: after an offload and an
+    onload they score as through a cache that kept every key."""
+    dataset, model = world
+    earlier, _ = returning_visit(dataset)
+    req = dataset.requests
+    logits = []
+    for read_window in (None, model.cache_read_window):
+        cache = cache_for(model, read_window)
+        with cache:
+            InferenceSession(model, dataset, kv_cache=cache).serve(np.array([earlier]))
+            cache.offload_kv_cache()
+            cache.evict_kv_cache()
+            again = serve_through_cache(model, cache, req.user_id[earlier : earlier + 1], req.end[earlier : earlier + 1],
+                                        lambda starts, windows: dataset.make_batch(np.array([earlier]), starts, windows))
+        assert again.tokens_reused > 0 and len(again.batch.video_ids) == 0
+        logits.append(again.logits)
+    assert torch.equal(*logits)
