@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "serving_cost": {name: None if c is None else asdict(c) for name, c in costs.items()},
         "cache_config": {"num_pages": cache.config.num_pages, "page_size": page_size, "tier": args.kv_tier,
                          "kv_codec": cache.config.kv_codec,
+                         "read_window": cache.config.read_window and asdict(cache.config.read_window),
                          "working_set_pages": pages_needed, "host_capacity_bytes": cache.config.host_capacity_bytes},
     }
     ok = True

@@ -14,7 +14,8 @@ def check_invariants(residency: Residency) -> None:
     copy, not broken bookkeeping.)
     """
     lay, pool, users, in_flight = residency.layout, residency.pool, residency.users, residency.in_flight
-    owned = [p for res in users.values() for p in res.pages]
+    sink = pool.num_pages  # released pages (kvcache/read_window.py) point there
+    owned = [p for res in users.values() for p in res.pages if p != sink]
     free = pool.free_pages()
     assert len(owned) == len(set(owned)), "a page is owned twice"
     assert not set(owned) & set(free), "a page is both owned and free"
@@ -27,5 +28,10 @@ def check_invariants(residency: Residency) -> None:
             assert len(res.pages) >= committed, f"user {u} lost pages"
         else:
             assert res.length > 0 and len(res.pages) == committed, f"user {u} holds wrong pages"
+        released = [i for i, p in enumerate(res.pages) if p == sink]
+        first, stop = residency.release.released(res.length)
+        assert len(released) == res.released and released == list(range(first, first + res.released)), \
+            f"user {u}: released pages {released} are not the first {res.released} of [{first}, {stop})"
+        assert first + res.released <= max(first, stop), f"user {u}: a page still read was released"
         h = res.synced
         assert h is None or (h.start_pos == res.start_pos and h.length <= res.length), f"user {u}: host ahead"

@@ -159,14 +159,16 @@ class KVCacheManager:
             return [self._residency.cached_entry(u).tag for u in self._refusing(user_id_list, user_ids)]
 
     def read_kv(self, user_id: int, layer: int) -> tuple[Tensor, Tensor]:
-        """The committed K and V of a user for one layer, [cached_len, H, D] each on the device (a copy)."""
+        """The committed K and V of a user for one layer, [cached_len, H, D] each on the device (a copy).
+        With a read window, tokens no later query reads hold unspecified values (kvcache/read_window.py)."""
         if not 0 <= layer < self.config.num_layers:
             raise IndexError(f"layer {layer} out of range for {self.config.num_layers} layers.")
         with self._lock:
             return self._residency.read_kv(self._refusing(check_user_id, user_id), layer)
 
     def read_times(self, user_id: int) -> Tensor:
-        """The committed tokens' times of a user, [cached_len] int64 on the device (a copy)."""
+        """The committed tokens' times of a user, [cached_len] int64 on the device (a copy); with a read
+        window, unspecified for tokens no later query reads."""
         with self._lock:
             return self._residency.read_times(self._refusing(check_user_id, user_id))
 
@@ -287,7 +289,7 @@ class KVCacheManager:
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return snapshot(self._counters, self._pool, self._host, (len(r.pages) for r in self._users.values()))
+            return snapshot(self._counters, self._pool, self._host, (r.live_pages for r in self._users.values()))
 
     def close(self) -> None:
         """Finish pending offloads, stop the offload worker (async mode) and close the tiers the manager built.

@@ -128,6 +128,11 @@ def decoded(pages: HostPageData) -> PageData:
     return pages.decode() if isinstance(pages, EncodedPageData) else pages
 
 
+def page_range(pages: HostPageData, start: int, stop: int) -> HostPageData:
+    """Pages [start, stop) of `pages`, encoded or not (a view)."""
+    return pages.page_range(start, stop) if isinstance(pages, EncodedPageData) else pages[start:stop]
+
+
 def copy_pages(dst: PageData, src: HostPageData) -> None:
     """dst <- src, decoding straight into dst when src is encoded."""
     if isinstance(src, EncodedPageData):

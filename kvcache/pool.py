@@ -34,7 +34,8 @@ class DevicePagePool:
         self.num_pages = num_pages
         self.device = device
         # Zeroed so that a kernel reading a whole page (masked) never meets NaN garbage. One page more
-        # than the pool hands out: the sink, where padding rows of a bucketed batch append their K/V.
+        # than the pool hands out: the sink, where padding rows of a bucketed batch append their K/V, and
+        # where a user's released pages point (kvcache/read_window.py: keys read only under a window's mask).
         self.kv = torch.zeros(
             (layout.num_layers, 2, num_pages + 1, layout.page_size, layout.num_heads, layout.head_dim),
             dtype=layout.dtype,
@@ -56,7 +57,7 @@ class DevicePagePool:
     # --- views ---
     @property
     def sink_slot(self) -> int:
-        """A slot of the sink page: never handed out, never read (a write-only target for padding)."""
+        """A slot of the sink page: never handed out; written by padding, read only as masked keys."""
         return self.num_pages * self.layout.page_size
 
     def k_cache(self, layer: int) -> Tensor:

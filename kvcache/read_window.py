@@ -7,10 +7,12 @@ length L, so it reads tokens `[L - size, L)` and the sink, never `[sink, L - siz
 long history therefore caches mostly K/V no query will read (docs/kvcache.md, "What a windowed
 model never reads again").
 
-With `KVCacheConfig.read_window` set, what leaves the device holds zeros for those tokens' K/V
-(`zero_unread`), their times unchanged: exact for the model (a key it never reads may hold anything),
-and a page of zeros costs a compressing codec (`zstd`, `zstd-channel`) next to nothing. The device
-pages keep their values. Offloads are incremental (the host keeps the pages it has and receives the
+With `KVCacheConfig.read_window` set, the device pages that hold unread tokens only are freed
+(`unread_pages`: at commit, and not allocated on an onload): the user's page table points them at
+the pool's sink page, which attention reads only under its window's mask. What leaves the device
+holds zeros for the unread tokens' K/V and times (`zero_unread`; a released page's came from the
+sink): exact for the model (a key it never reads may hold anything), and a page of zeros costs a compressing codec (`zstd`,
+`zstd-channel`) next to nothing. Offloads are incremental (the host keeps the pages it has and receives the
 new ones), so tokens that fall out of the window after their page was written stay stored as they
 were until the lag is worth a rewrite: `compact_from` moves the write's first page back to the
 first such page once they number `size` tokens, which bounds both the stored lag and the extra
@@ -24,6 +26,8 @@ Only the model whose window this is may read the entries: its fingerprint names 
 6
 >>> window.unread_end(3)
 1
+>>> window.unread_pages(30, page_size=2)  # pages 1..12 hold tokens 2..25 only: unread
+(1, 13)
 """
 from __future__ import annotations
 
@@ -49,6 +53,10 @@ class ReadWindow:
         """The end of the tokens `[sink, end)` of a `length`-token entry that no later query reads."""
         return max(self.sink, length - self.size)
 
+    def unread_pages(self, length: int, page_size: int) -> tuple[int, int]:
+        """Pages `[first, stop)` of a `length`-token entry that hold unread tokens only (first >= stop: none)."""
+        return -(-self.sink // page_size), self.unread_end(length) // page_size
+
     def compact_from(self, length: int, zeroed_end: int, first_page: int, page_size: int) -> int:
         """The first page an offload of a `length`-token entry writes, given that the host's copy holds
         zeros up to `zeroed_end` and the incremental write would start at `first_page`: moved back to
@@ -60,18 +68,19 @@ class ReadWindow:
 
 
 def zero_unread(pages: PageData, first_page: int, unread: tuple[int, int], page_size: int) -> None:
-    """Zero the K/V of entry tokens `unread = [lo, hi)` held by `pages`, the entry's pages from
-    `first_page` on (at most three slice writes; times untouched)."""
+    """Zero the K/V and times of entry tokens `unread = [lo, hi)` held by `pages`, the entry's pages
+    from `first_page` on (at most three slice writes of each)."""
     base = first_page * page_size
     lo, hi = max(unread[0] - base, 0), min(unread[1] - base, pages.num_pages * page_size)
     if lo >= hi:
         return
     (p0, s0), (p1, s1) = divmod(lo, page_size), divmod(hi, page_size)
-    kv = pages.kv  # [k, L, 2, S, H, D]
-    if p0 == p1:
-        kv[p0, :, :, s0:s1].zero_()
-        return
-    kv[p0, :, :, s0:].zero_()
-    kv[p0 + 1 : p1].zero_()
-    if s1:
-        kv[p1, :, :, :s1].zero_()
+    for data, token_dim in ((pages.kv, 3), (pages.times, 1)):  # [k, L, 2, S, H, D], [k, S]
+        head = (slice(None),) * (token_dim - 1)
+        if p0 == p1:
+            data[(p0, *head, slice(s0, s1))].zero_()
+            continue
+        data[(p0, *head, slice(s0, None))].zero_()
+        data[p0 + 1 : p1].zero_()
+        if s1:
+            data[(p1, *head, slice(None, s1))].zero_()

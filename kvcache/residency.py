@@ -9,7 +9,8 @@ A user is, at any time, in one of these states:
 
 * unknown: nothing cached in any tier;
 * resident: its committed tokens `[start_pos, start_pos + length)` are in device pages
-  (`pages[i]` holds tokens `start_pos + i * page_size ...`), and the host may hold a prefix;
+  (`pages[i]` holds tokens `start_pos + i * page_size ...`; with a read window, the pages of tokens
+  no query reads again are the pool's sink page, `released` of them), and the host may hold a prefix;
 * host-only: evicted from the device, the host tier holds `(start_pos, length)`;
 * in flight: resident, with a prepared but uncommitted batch; its extra pages are reserved
   and its length only moves at commit.
@@ -32,6 +33,7 @@ from .events import CacheEvents
 from .metadata import token_slots
 from .offload_staging import OffloadStaging, OffloadWrite, plan_offload
 from .page_data import PageData, decoded
+from .page_release import PageRelease
 from .policy import EvictionPolicy
 from .pool import DevicePagePool
 from .read_window import ReadWindow, zero_unread
@@ -43,7 +45,7 @@ _NOTHING = HostEntry(0, 0)
 class Resident:
     """A user's committed tokens on the device (plus reserved pages while in flight)."""
 
-    __slots__ = ("generation", "length", "pages", "start_pos", "synced", "tag", "zeroed_end")
+    __slots__ = ("generation", "length", "pages", "released", "start_pos", "synced", "tag", "zeroed_end")
 
     def __init__(self, start_pos: int, length: int, pages: array, tag: bytes = b"", synced: HostEntry | None = None):
         self.start_pos = start_pos
@@ -57,6 +59,12 @@ class Resident:
         # With a read window: the host's copy holds zeros for the unread tokens before this one
         # (bookkeeping of what rewrites pay, kvcache/read_window.py; values never depend on it).
         self.zeroed_end = 0
+        self.released = 0  # pages freed as unread (kvcache/read_window.py): entries of `pages` that are the sink
+
+    @property
+    def live_pages(self) -> int:
+        """Device pages the user owns."""
+        return len(self.pages) - self.released
 
 
 class Onload(NamedTuple):
@@ -88,7 +96,16 @@ class Residency:
         self.offload_requested: set[int] = set()  # async offloads not yet run
         self.staging = OffloadStaging(layout, pinned=pool.device.type == "cuda") if stage_offloads else None
         self.read_window = read_window
+        self.release = PageRelease(read_window, layout, pool.num_pages)
         self._compact = read_window if compact_unread else None
+
+    def release_unread(self, res: Resident) -> None:
+        """Free the user's device pages that hold unread tokens only (after a commit grew it)."""
+        start, stop = self.release.newly_released(res.length, res.released)
+        if start < stop:
+            self.pool.free(res.pages[start:stop])
+            res.pages[start:stop] = array("q", [self.pool.num_pages]) * (stop - start)
+            res.released += stop - start
 
     def cached_entry(self, u: int) -> HostEntry:
         """What is reusable for the user: the device's committed tokens, else the host's entry, else (0, 0)."""
@@ -167,7 +184,7 @@ class Residency:
         room = self.pool.num_free + self.evictable_pages(exclude=wanted.keys())
         need = 0
         for u, h in list(wanted.items()):
-            pages = self.layout.num_pages(h.length)
+            pages = self.release.live_pages(h.length)
             if need + pages > room:
                 del wanted[u]  # a later, smaller user may still fit
             else:
@@ -180,18 +197,19 @@ class Residency:
             hp = self.host.read(u)
             if hp is None or hp.entry != h:
                 continue  # lost or changed meanwhile: the next prepare finds out and re-plans
-            moves.append(Onload(u, hp, self.pool.alloc(self.layout.num_pages(hp.length))))
+            fresh = self.pool.alloc(self.release.live_pages(hp.length))
+            moves.append(Onload(u, hp, self.release.onload_pages(hp.length, fresh)))
         try:
             self.onload(moves)
         except BaseException:  # the users not admitted yet own none of their pages
             for move in moves:
                 if move.user_id not in self.users:
-                    self.pool.free(move.pages)
+                    self.pool.free(self.release.owned(move.pages))
             raise
         return len(moves)
 
     def evictable_pages(self, exclude: Collection[int]) -> int:
-        return sum(len(res.pages) for u, res in self.users.items() if u not in self.in_flight and u not in exclude)
+        return sum(res.live_pages for u, res in self.users.items() if u not in self.in_flight and u not in exclude)
 
     def evict_for(self, pages_needed: int, batch: set[int], protect: Collection[int]) -> None:
         """Evict users (never the batch or users in flight) until `pages_needed` pages are free.
@@ -204,7 +222,7 @@ class Residency:
                 break
             if u not in batch and u not in self.in_flight:
                 victims.append(u)
-                free += len(self.users[u].pages)
+                free += self.users[u].live_pages
         self.offload_users(victims, protect)
         for u in victims:
             self.evict(u, offload=False, protect=protect)
@@ -232,7 +250,7 @@ class Residency:
     def drop(self, u: int) -> None:
         res = self.users.pop(u)
         self.policy.remove(u)
-        self.pool.free(res.pages)
+        self.pool.free(self.release.owned(res.pages))
         self.offload_requested.discard(u)
 
     def onload(self, moves: Sequence[Onload]) -> None:
@@ -244,17 +262,19 @@ class Residency:
     def copy_onloads(self, moves: Sequence[Onload]) -> None:
         """One pool onload for all the moves (on CUDA layer by layer: each layer of every user before the
         next layer, so that compute waits for the layers it reads only)."""
-        if moves:
-            self.pool.copy_in([(m.pages, m.host.pages) for m in moves])
+        if moves:  # released pages stay on the host
+            self.pool.copy_in([part for m in moves for part in self.release.live_parts(m.pages, m.host.pages, m.host.length)])
 
     def admit(self, move: Onload) -> Resident:
         """The user, whose pages `copy_onloads` copied, resident with exactly the entry its tier returned."""
         u, hp, pages = move
         res = self.users[u] = Resident(hp.start_pos, hp.length, pages, hp.tag, synced=hp.entry)
+        first, stop = self.release.released(hp.length)
+        res.released = stop - first
         if self.read_window is not None:  # what any writer's compaction leaves at most unzeroed
             res.zeroed_end = self.read_window.unread_end(hp.length) - self.read_window.size
         self.policy.add(u)
-        self._counters["onloaded_bytes"] += len(pages) * self.layout.page_nbytes
+        self._counters["onloaded_bytes"] += res.live_pages * self.layout.page_nbytes
         self._events.on_device(u, hp.start_pos, hp.length)
         return res
 

@@ -59,9 +59,9 @@ class Transactions:
             held = len(res.pages) if res is not None else 0
             cached = res.length if res is not None else hp.length if hp is not None else 0
             if hp is not None:
-                held = layout.num_pages(hp.length)
-                onloads.append(Onload(u, hp, fresh[taken : taken + held]))
-                taken += held
+                held, live = layout.num_pages(hp.length), residency.release.live_pages(hp.length)
+                onloads.append(Onload(u, hp, residency.release.onload_pages(hp.length, fresh[taken : taken + live])))
+                taken += live
             extra = layout.num_pages(cached + new) - held  # the last partial page is filled first
             new_pages.append(fresh[taken : taken + extra])
             taken += extra
@@ -129,6 +129,7 @@ class Transactions:
             if res.length == 0:
                 residency.drop(u)
             else:
+                residency.release_unread(res)
                 self._events.on_device(u, res.start_pos, res.length)
         self._events.flush()
         residency.in_flight.difference_update(pending.user_ids)

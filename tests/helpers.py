@@ -438,6 +438,33 @@ def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:
     return model
 
 
+def returning_users(model: HSTURecommender, dataset, count: int = 60, **cache_fields) -> tuple[torch.Tensor, int]:
+    """Logits of the second half of a replay of `count` visits, served after every user was offloaded and
+    evicted from the device (each returning user onloaded from the host tiers), and the host tiers'
+    bytes at the end. `cache_fields`: KVCacheConfig fields (codec, tiers, read window)."""
+    from kvcache import KVCacheConfig, KVCacheManager
+    from model.inference import InferenceSession
+
+    cfg = model.config
+    cache = KVCacheManager(KVCacheConfig(
+        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
+        num_pages=300, **{"host_capacity_bytes": 1 << 23, **cache_fields},
+    ))
+    session = InferenceSession(model, dataset, kv_cache=cache)
+    indices = dataset.request_indices(max_requests=count)
+    with cache:
+        for batch in dataset.batches(indices[: count // 2], 4):
+            session.serve(batch)
+        cache.offload_kv_cache()
+        cache.evict_kv_cache()
+        results = [session.serve(b) for b in dataset.batches(indices[count // 2:], 4)]
+        cache.offload_kv_cache()
+        assert cache.stats().onloaded_bytes > 0
+        used = cache.host_storage.bytes_used
+    assert sum(r.tokens_reused for r in results) > 0
+    return torch.cat([r.logits.flatten() for r in results]), used
+
+
 # ---- host pages (kvcache.PageData) ------------------------------------------------------
 def host_pages(layout, n: int, value: float | None = None, seed: int | None = None):
     """`n` host pages: every K/V entry `value` and token i of page p at time int(value) * 1000 + p * page_size + i,

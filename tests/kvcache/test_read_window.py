@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcache import KVCacheConfig, KVCacheManager, ReadWindow
-from kvcache.page_data import empty_pages
+from kvcache.page_data import decoded, empty_pages
 from kvcache.read_window import zero_unread
 from kvcache.testing import expected_kv, expected_times, serve
 
@@ -27,6 +27,18 @@ def reloaded_kv(mgr: KVCacheManager, user: int, length: int) -> list[tuple[torch
     mgr.commit(meta)
     assert mgr.stats().onloaded_bytes > 0
     return [mgr.read_kv(user, layer) for layer in range(mgr.config.num_layers)]
+
+
+def host_kv(mgr: KVCacheManager, user: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the host tier holds of the user: K/V [2, num_layers, length, H, D] and times [length]."""
+    entry = mgr.host_storage.read(user)
+    pages = decoded(entry.pages)
+    kv = pages.kv.permute(2, 1, 0, 3, 4, 5).flatten(2, 3)[:, :, : entry.length]
+    return kv, pages.times.flatten()[: entry.length]
+
+
+def live_tokens(length: int) -> list[int]:
+    return list(range(WINDOW.sink)) + list(range(WINDOW.unread_end(length), length))
 
 
 def test_unread_end_and_validation():
@@ -58,22 +70,29 @@ def test_zero_unread_zeroes_exactly_that_range(first_page, unread):
     token = torch.arange(5 * PAGE).view(5, 1, 1, PAGE, 1, 1) + first_page * PAGE
     dead = (token >= unread[0]) & (token < unread[1])
     assert torch.equal(pages.kv, torch.where(dead, 0.0, before))
-    assert torch.equal(pages.times, torch.arange(40).view(5, PAGE))
+    assert torch.equal(pages.times, torch.where(dead.view(5, PAGE), 0, torch.arange(40).view(5, PAGE)))
 
 
 @pytest.mark.parametrize("codec", ["raw", "zstd-channel"])
-def test_an_onloaded_user_holds_zeros_exactly_where_nothing_reads(codec):
+def test_the_host_holds_zeros_exactly_where_nothing_reads_and_the_device_frees_those_pages(codec):
+    layout = KVCacheConfig(num_layers=2, num_heads=2, head_dim=4, page_size=PAGE).page_layout
     with manager(codec) as mgr:
         serve(mgr, [7], [0], [70])
+        # tokens [3, 50) unread: pages 1..5 (tokens 8..47) hold nothing else and are freed at commit
+        assert mgr.stats().pages_in_use == mgr.stats().pages_owned == 9 - 5
+        mgr.offload_kv_cache([7])
+        stored, times = host_kv(mgr, 7)
         got = reloaded_kv(mgr, 7, 70)
-        assert torch.equal(mgr.read_times(7), expected_times(7, 0, 70))
+        assert mgr.stats().pages_in_use == mgr.stats().pages_owned == 9 - 5  # the onload allocates the live pages only
+        live = live_tokens(70)
+        assert torch.equal(mgr.read_times(7)[live], expected_times(7, 0, 70)[live])
     unread = torch.zeros(70, dtype=torch.bool)
     unread[3:50] = True
+    assert torch.equal(times, torch.where(unread, 0, expected_times(7, 0, 70)))
     for layer, (k, v) in enumerate(got):
-        k_ref, v_ref = expected_kv(mgr.config.page_layout, 7, 0, 70, layer)
-        shape = (70, 1, 1)
-        assert torch.equal(k, torch.where(unread.view(shape), 0.0, k_ref))
-        assert torch.equal(v, torch.where(unread.view(shape), 0.0, v_ref))
+        reference = torch.stack(expected_kv(layout, 7, 0, 70, layer))
+        assert torch.equal(stored[:, layer], torch.where(unread.view(70, 1, 1), 0.0, reference))
+        assert torch.equal(torch.stack([k, v])[:, live], reference[:, live])
 
 
 def test_without_a_read_window_everything_comes_back():
@@ -109,16 +128,28 @@ def test_visits_that_grow_a_user_rewrite_unread_pages_only_when_they_pay(codec, 
             length += 6
             mgr.offload_kv_cache([7])
             page_writes.append((mgr.stats().offloaded_bytes - before) // mgr.config.page_layout.page_nbytes)
+        stored, _ = host_kv(mgr, 7)
         got = reloaded_kv(mgr, 7, length)
     incremental = max(page_writes) <= 2
     assert incremental != rewrites
     # whatever was rewritten or not, every token a later query reads is exact
+    live = live_tokens(length)
     for layer, (k, v) in enumerate(got):
         k_ref, v_ref = expected_kv(mgr.config.page_layout, 7, 0, length, layer)
-        live = list(range(WINDOW.sink)) + list(range(WINDOW.unread_end(length), length))
         assert torch.equal(k[live], k_ref[live]) and torch.equal(v[live], v_ref[live])
+        stored_k = stored[0, layer]
         if rewrites:  # at most `size` tokens of lag left unzeroed
-            assert (k[WINDOW.sink : WINDOW.unread_end(length) - WINDOW.size] == 0).all()
+            assert (stored_k[WINDOW.sink : WINDOW.unread_end(length) - WINDOW.size] == 0).all()
         else:  # only the first write zeroed; what went unread later stays as it was written
             unread_later = slice(WINDOW.unread_end(30), WINDOW.unread_end(length))
-            assert torch.equal(k[unread_later], k_ref[unread_later])
+            assert torch.equal(stored_k[unread_later], k_ref[unread_later])
+
+
+def test_the_worked_examples_in_the_docstrings_hold():
+    import doctest
+
+    from kvcache import page_release, read_window
+
+    for module in (read_window, page_release):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from data.dataset import InferenceDataset
-from helpers import build_processed, sensitive_model
-from kvcache import KVCacheConfig, KVCacheManager
+from helpers import build_processed, returning_users, sensitive_model
 from model.config import config_for_dataset
-from model.inference import InferenceSession
 
 # Claimed bounds of max |logit diff| against raw tiers (the replay measures them on trained models).
 LOGIT_TOLERANCE = {"bf16": 1e-3, "int8": 5e-3, "int8:mode=affine": 5e-3, "mixed": 5e-3}
@@ -26,25 +24,9 @@ def world(tmp_path_factory):
     return dataset, model, returning_logits(model, dataset)
 
 
-def returning_logits(model, dataset, tmp_path=None, count=60, **tiers):
-    """Logits of the second half of a replay, served after every user was evicted from the device:
-    each returning user is onloaded from the host tiers."""
-    cfg = model.config
-    cache = KVCacheManager(KVCacheConfig(
-        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-        num_pages=300, host_capacity_bytes=1 << 22, **tiers,
-    ))
-    session = InferenceSession(model, dataset, kv_cache=cache)
-    indices = dataset.request_indices(max_requests=count)
-    with cache:
-        for batch in dataset.batches(indices[: count // 2], 4):
-            session.serve(batch)
-        cache.offload_kv_cache()
-        cache.evict_kv_cache()
-        results = [session.serve(b) for b in dataset.batches(indices[count // 2:], 4)]
-        assert cache.stats().onloaded_bytes > 0
-    assert sum(r.tokens_reused for r in results) > 0
-    return torch.cat([r.logits.flatten() for r in results])
+def returning_logits(model, dataset, **tiers):
+    """Logits of returning users, each onloaded from the host tiers (`helpers.returning_users`)."""
+    return returning_users(model, dataset, host_capacity_bytes=1 << 22, **tiers)[0]
 
 
 @pytest.mark.parametrize("codec", ["zstd", "zstd-channel"])

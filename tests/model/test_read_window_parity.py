@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from data.dataset import InferenceDataset
-from helpers import build_processed, sensitive_model
+from helpers import build_processed, returning_users, sensitive_model
 from kvcache import KVCacheConfig, KVCacheManager, ReadWindow
 from model.cached_serving import serve_through_cache
 from model.config import config_for_dataset, preset
@@ -27,31 +27,12 @@ def world(tmp_path_factory):
     return dataset, model
 
 
-def cache_for(model, read_window, codec="zstd-channel") -> KVCacheManager:
+def cache_for(model, read_window) -> KVCacheManager:
     cfg = model.config
     return KVCacheManager(KVCacheConfig(
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-        num_pages=300, host_capacity_bytes=1 << 23, kv_codec=codec, read_window=read_window,
+        num_pages=300, host_capacity_bytes=1 << 23, kv_codec="zstd-channel", read_window=read_window,
     ))
-
-
-def returning(model, dataset, read_window, count=60):
-    """Logits of the second half of a replay, every user evicted in between (onloaded from the host
-    tier), and the host tier's bytes at the end."""
-    cache = cache_for(model, read_window)
-    session = InferenceSession(model, dataset, kv_cache=cache)
-    indices = dataset.request_indices(max_requests=count)
-    with cache:
-        for batch in dataset.batches(indices[: count // 2], 4):
-            session.serve(batch)
-        cache.offload_kv_cache()
-        cache.evict_kv_cache()
-        results = [session.serve(b) for b in dataset.batches(indices[count // 2:], 4)]
-        cache.offload_kv_cache()
-        assert cache.stats().onloaded_bytes > 0
-        used = cache.host_storage.bytes_used
-    assert sum(r.tokens_reused for r in results) > 0
-    return torch.cat([r.logits.flatten() for r in results]), used
 
 
 def test_the_model_names_its_window():
@@ -63,8 +44,8 @@ def test_the_model_names_its_window():
 
 def test_unread_kv_offloaded_as_zeros_leave_every_logit_unchanged(world):
     dataset, model = world
-    kept, kept_bytes = returning(model, dataset, None)
-    zeroed, zeroed_bytes = returning(model, dataset, model.cache_read_window)
+    kept, kept_bytes = returning_users(model, dataset, kv_codec="zstd-channel")
+    zeroed, zeroed_bytes = returning_users(model, dataset, kv_codec="zstd-channel", read_window=model.cache_read_window)
     assert torch.equal(kept, zeroed)
     assert zeroed_bytes < 0.8 * kept_bytes
 
