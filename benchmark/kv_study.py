@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--presets", nargs="+", choices=PRESET_NAMES, default=["kuairand-1k", "demo"],
                    help="presets of the K/V bytes table")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["float32", "bfloat16"], help="dtypes of that table")
+    p.add_argument("--attention_windows", type=int, nargs="+", default=[0, 512],
+                   help="sliding attention windows of section 3 (0: every key; 512: the recipe make demo trains)")
     p.add_argument("--batches", type=int, nargs="+", default=[2**i for i in range(11)], help="section 3's x axis")
     p.add_argument("--memory_batch", type=int, default=4,
                    help="the second batch size whose cached visit's peak memory is measured (>= 2)")
@@ -73,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--device cuda: CUDA is not available on this machine")
     if min(args.histories) < 1 or args.repeats < 1 or args.memory_batch < 2:
         p.error("histories and --repeats must be >= 1, --memory_batch >= 2")
+    if min(args.attention_windows) < 0:
+        p.error("--attention_windows must be >= 0 (0: every key)")
     for spec in args.codecs or ():
         try:
             get_codec(spec)
@@ -126,8 +130,8 @@ def run_study(args: argparse.Namespace, command: str) -> StudyResult:
         onload = measure_onload(model, tiers, codecs, visits, args.repeats, workdir, redis_url, device)
     budget, budget_source = device_budget(device, args.device_memory_gb)
     weights = weights_bytes(args.preset, dtype)
-    limits = batch_limits(cfg, dtype, visits, budget, weights)
-    kv_rows = kv_bytes_table(args.presets, [DTYPES[d] for d in args.dtypes], args.histories)
+    limits = batch_limits(cfg, dtype, visits, budget, weights, args.attention_windows)
+    kv_rows = kv_bytes_table(args.presets, [DTYPES[d] for d in args.dtypes], args.histories, args.attention_windows)
     memory = memory_per_user(visits)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,9 @@ history L needs B x pages(L) device pages while it is served (the users of a bat
 one another) and the working memory of a cached visit of B users, split from the peaks measured
 at two batch sizes into a part per batch and a part per user, beside the model's weights (the
 preset's real embedding tables). The pool is whatever the device budget leaves; the batch stops
-where pages plus working memory fill it.
+where pages plus working memory fill it. A model with a sliding attention window of W events holds
+only the pages its window still reads (`kvcache.ReadWindow`, kvcache/page_release.py): the bytes and
+the batch limits are given per window (0: every key read).
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache import PageLayout
+from kvcache import PageLayout, ReadWindow
+from kvcache.page_release import PageRelease
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
 
@@ -28,11 +31,13 @@ class KVBytesRow:
     dtype: str
     history: int
     kv_bytes: int  # the user's pages (K/V of every layer, token times)
+    window: int = 0  # the model's attention window (0: every key): its pages outside it are released
 
 
 @dataclass(frozen=True)
 class BatchLimit:
     history: int
+    window: int  # the attention window the pages are counted for (0: every key)
     pages_per_user: int
     page_bytes: int
     kv_bytes_per_user: int
@@ -55,13 +60,23 @@ def page_layout(config: HSTUConfig, dtype: torch.dtype) -> PageLayout:
     return PageLayout(config.num_layers, config.num_heads, config.head_dim, config.page_size, dtype)
 
 
-def user_kv_bytes(layout: PageLayout, history: int) -> int:
-    return layout.num_pages(history) * layout.page_nbytes
+def user_pages(config: HSTUConfig, layout: PageLayout, history: int, window: int = 0) -> int:
+    """Device pages a user of `history` tokens holds between visits, its window's unread pages released."""
+    read_window = ReadWindow(size=window, sink=config.num_prefix_tokens) if window else None
+    return PageRelease(read_window, layout, sink_page=-1).live_pages(history)
 
 
-def kv_bytes_table(presets: list[str], dtypes: list[torch.dtype], histories: list[int]) -> list[KVBytesRow]:
-    return [KVBytesRow(name, str(dtype).removeprefix("torch."), h, user_kv_bytes(page_layout(preset(name), dtype), h))
-            for name in presets for dtype in dtypes for h in histories]
+def kv_bytes_table(presets: list[str], dtypes: list[torch.dtype], histories: list[int],
+                   windows: list[int] = (0,)) -> list[KVBytesRow]:
+    rows = []
+    for name in presets:
+        config = preset(name)
+        for dtype in dtypes:
+            layout = page_layout(config, dtype)
+            rows += [KVBytesRow(name, str(dtype).removeprefix("torch."), h,
+                                user_pages(config, layout, h, w) * layout.page_nbytes, w)
+                     for w in windows for h in histories]
+    return rows
 
 
 def weights_bytes(preset_name: str, dtype: torch.dtype) -> int:
@@ -72,18 +87,19 @@ def weights_bytes(preset_name: str, dtype: torch.dtype) -> int:
 
 
 def batch_limits(config: HSTUConfig, dtype: torch.dtype, visits: list[VisitRow], budget_bytes: int,
-                 weights: int) -> list[BatchLimit]:
+                 weights: int, windows: list[int] = (0,)) -> list[BatchLimit]:
     layout = page_layout(config, dtype)
     free = max(budget_bytes - weights, 0)
     rows = []
-    for v in visits:
-        kv = user_kv_bytes(layout, v.history)
+    for w, v in ((w, v) for w in windows for v in visits):
+        pages = user_pages(config, layout, v.history, w)
+        kv = pages * layout.page_nbytes
         per_user = max((v.cached_peak_bytes_batch - v.cached_peak_bytes) // max(v.memory_batch - 1, 1), 0)
         per_batch = max(v.cached_peak_bytes - per_user, 0)
         limited_by = "K/V pages" if kv >= per_user else "working memory"
         max_batch = max(free - per_batch, 0) // (kv + per_user)
-        rows.append(BatchLimit(v.history, layout.num_pages(v.history), layout.page_nbytes, kv, per_batch, per_user,
-                               free, max_batch, limited_by))
+        rows.append(BatchLimit(v.history, w, pages, layout.page_nbytes, kv, per_batch, per_user, free, max_batch,
+                               limited_by))
     return rows
 
 

@@ -58,17 +58,25 @@ def latency(visits: list[VisitRow], path: Path) -> Path:
     return _save(fig, path)
 
 
+def window_label(window: int) -> str:
+    return f", window {window}" if window else ""
+
+
 def kv_bytes(rows: list[KVBytesRow], limits: list[BatchLimit], batches: list[int], path: Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for series in dict.fromkeys((r.preset, r.dtype) for r in rows):
-        points = [r for r in rows if (r.preset, r.dtype) == series]
-        left.plot([r.history for r in points], [r.kv_bytes / MB for r in points], "o-", label=" ".join(series))
+    for series in dict.fromkeys((r.preset, r.dtype, r.window) for r in rows):
+        points = [r for r in rows if (r.preset, r.dtype, r.window) == series]
+        left.plot([r.history for r in points], [r.kv_bytes / MB for r in points], "o-" if not series[2] else "s--",
+                  label=" ".join(series[:2]) + window_label(series[2]))
     left.set_yscale("log")
     left.set_ylabel("K/V per user (MiB)")
     _history_axis(left, sorted({r.history for r in rows}))
     left.legend(fontsize=7)
     for limit in limits:
-        (line,) = right.plot(batches, pages_for_batches(limit, batches), "o-", ms=3, label=f"history {limit.history}")
+        if limit.window and limit.history <= limit.window:
+            continue  # the window holds the whole history: the same line as without it
+        (line,) = right.plot(batches, pages_for_batches(limit, batches), "o-" if not limit.window else "s--", ms=3,
+                             label=f"history {limit.history}{window_label(limit.window)}")
         right.plot(batches, [pool_pages(limit, b) for b in batches], ":", color=line.get_color(), lw=1)
         if limit.max_batch_cached <= max(batches):
             right.plot([limit.max_batch_cached], [limit.max_batch_cached * limit.pages_per_user], "kx", ms=8)

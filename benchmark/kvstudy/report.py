@@ -160,14 +160,16 @@ def render(result: StudyResult) -> str:
         "",
         SECTIONS[2],
         "",
-        "K/V bytes per user (pages of K and V of every layer plus each token's int64 time), per preset and dtype:",
+        "K/V bytes per user (pages of K and V of every layer plus each token's int64 time), per preset and dtype, "
+        "and for a model with a sliding attention window of W events, which holds only the pages its window still "
+        "reads (kvcache/read_window.py; window 0: every key):",
         "",
     ]
     histories = sorted({r.history for r in result.kv_bytes})
-    series = list(dict.fromkeys((r.preset, r.dtype) for r in result.kv_bytes))
-    by_key = {(r.preset, r.dtype, r.history): r.kv_bytes for r in result.kv_bytes}
-    out += [markdown_table(["preset dtype", *[f"{h} MiB" for h in histories]],
-                           [[" ".join(k), *[_mib(by_key[(*k, h)]) for h in histories]] for k in series]), ""]
+    series = list(dict.fromkeys((r.preset, r.dtype, r.window) for r in result.kv_bytes))
+    by_key = {(r.preset, r.dtype, r.window, r.history): r.kv_bytes for r in result.kv_bytes}
+    out += [markdown_table(["preset dtype", "window", *[f"{h} MiB" for h in histories]],
+                           [[" ".join(k[:2]), k[2], *[_mib(by_key[(*k, h)]) for h in histories]] for k in series]), ""]
     free = result.limits[0].free_bytes if result.limits else 0
     out += [
         f"Device budget {_mib(s['budget_bytes'])} MiB ({s['budget_source']}); weights of the preset with its real "
@@ -175,9 +177,9 @@ def render(result: StudyResult) -> str:
         "A batch's users hold their pages while it is served, and the cached visit needs its working memory: "
         f"a part per batch and a part per user, from its peaks at batch 1 and {v[0].memory_batch}:",
         "",
-        markdown_table(["history", "pages / user", "K/V MiB / user", "work MiB / user", "work MiB / batch",
+        markdown_table(["history", "window", "pages / user", "K/V MiB / user", "work MiB / user", "work MiB / batch",
                         "largest batch", "limited by"],
-                       [[b.history, b.pages_per_user, _mib(b.kv_bytes_per_user), _mib(b.cached_work_per_user),
+                       [[b.history, b.window, b.pages_per_user, _mib(b.kv_bytes_per_user), _mib(b.cached_work_per_user),
                          _mib(b.cached_work_per_batch), f"{b.max_batch_cached:,}", b.limited_by]
                         for b in result.limits]),
         "",

@@ -18,7 +18,8 @@ def test_study_runs_at_tiny_sizes(redis_server, tmp_path, capsys):
     assert kv_study.main([
         "--preset", "tiny", "--histories", "16", "32", "--candidates", "4", "--new_tokens", "4", "--repeats", "3",
         "--long_history", "16", "--codecs", "raw", "int8", "--presets", "tiny", "--dtypes", "float32", "bfloat16",
-        "--batches", "1", "8", "--device", "cpu", "--redis_url", redis_server, "--workdir", str(tmp_path / "work"),
+        "--batches", "1", "8", "--attention_windows", "0", "8",
+        "--device", "cpu", "--redis_url", redis_server, "--workdir", str(tmp_path / "work"),
         "--output_dir", str(out),
     ]) == 0
 
@@ -44,8 +45,15 @@ def test_study_runs_at_tiny_sizes(redis_server, tmp_path, capsys):
     assert set(result["crossovers"]) == {"history", "visit"}
     assert all(set(by_codec) == {"raw", "int8"} for by_codec in result["crossovers"].values())
     assert [v["new_tokens"] for v in result["visits"]] == [4, 4]
-    assert {(r["preset"], r["dtype"]) for r in result["kv_bytes"]} == {("tiny", "float32"), ("tiny", "bfloat16")}
-    assert [b["max_batch_cached"] > 0 for b in result["limits"]] == [True, True]
+    assert {(r["preset"], r["dtype"], r["window"]) for r in result["kv_bytes"]} == {
+        ("tiny", d, w) for d in ("float32", "bfloat16") for w in (0, 8)}
+    kv = {(r["dtype"], r["window"], r["history"]): r["kv_bytes"] for r in result["kv_bytes"]}
+    assert kv[("float32", 8, 16)] <= kv[("float32", 0, 16)] and kv[("float32", 8, 32)] < kv[("float32", 0, 32)]
+    assert [(b["window"], b["history"]) for b in result["limits"]] == [(0, 16), (0, 32), (8, 16), (8, 32)]
+    assert all(b["max_batch_cached"] > 0 for b in result["limits"])
+    windowed = {b["history"]: b for b in result["limits"] if b["window"]}
+    assert windowed[32]["pages_per_user"] < result["limits"][1]["pages_per_user"]
+    assert windowed[32]["max_batch_cached"] >= result["limits"][1]["max_batch_cached"]
     assert [m["history"] for m in result["memory"]] == [16, 32]
     assert result["setup"]["wall_s"] > 0
     assert "## 4. Onload" in capsys.readouterr().out
