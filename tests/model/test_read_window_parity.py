@@ -13,6 +13,7 @@ import torch
 from data.dataset import InferenceDataset
 from helpers import build_processed, returning_users, sensitive_model
 from kvcache import KVCacheConfig, KVCacheManager, ReadWindow
+from model.attention import triton_attention
 from model.cached_serving import serve_through_cache
 from model.config import config_for_dataset, preset
 from model.inference import InferenceSession
@@ -42,10 +43,19 @@ def test_the_model_names_its_window():
     assert windowed.cache_read_window == ReadWindow(size=9, sink=windowed.layout.num_prefix)
 
 
-def test_unread_kv_offloaded_as_zeros_leave_every_logit_unchanged(world):
+@pytest.mark.parametrize("backend, count", [
+    ("blocked", 60),
+    pytest.param("triton", 24, marks=pytest.mark.skipif(not triton_attention.available(), reason="triton is not installed")),
+])
+def test_unread_kv_released_and_offloaded_as_zeros_leave_every_logit_unchanged(world, monkeypatch, backend, count):
+    """Through either attention backend (Triton: its interpreter on the CPU), which read the sink page
+    where a user's pages were released, under the window's mask."""
     dataset, model = world
-    kept, kept_bytes = returning_users(model, dataset, kv_codec="zstd-channel")
-    zeroed, zeroed_bytes = returning_users(model, dataset, kv_codec="zstd-channel", read_window=model.cache_read_window)
+    monkeypatch.setattr(model, "attention_backend", backend)
+    assert model.resolved_attention_backend().name == backend
+    kept, kept_bytes = returning_users(model, dataset, count, kv_codec="zstd-channel")
+    zeroed, zeroed_bytes = returning_users(model, dataset, count, kv_codec="zstd-channel",
+                                           read_window=model.cache_read_window)
     assert torch.equal(kept, zeroed)
     assert zeroed_bytes < 0.8 * kept_bytes
 
