@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         data_dir=args.data_dir, checkpoint=args.checkpoint, history_store=args.history_store, device=args.device,
         kv_pages=args.kv_pages, page_size=args.page_size, host_capacity_bytes=args.host_capacity_mb << 20,
         redis_url=args.redis_url,
-        redis_capacity_bytes=args.redis_capacity_mb << 20, async_offload=not args.sync_offload,
+        redis_capacity_bytes=args.redis_capacity_mb << 20, kv_codec=args.kv_codec, async_offload=not args.sync_offload,
         offload_each_visit=not args.no_offload_each_visit, max_candidates=args.max_candidates,
         cuda_graphs=args.cuda_graphs,
     )

@@ -22,6 +22,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--page_size", type=int, default=None, help="tokens per page (default: the model's)")
     p.add_argument("--host_capacity_mb", type=int, default=1024, help="host-memory tier capacity")
     p.add_argument("--redis_capacity_mb", type=int, default=8192, help="shared tier capacity (for this model)")
+    p.add_argument("--kv_codec", default="raw",
+                   help="how host memory, disk and Redis store K/V pages: raw (exact), zstd-channel (exact, ~1.2x "
+                        "fewer bytes, ~1.7x for a windowed model), bf16, int8 (lossy: 2x, 4x); kvcache/codecs/registry.py")
     p.add_argument("--sync_offload", action="store_true", help="offload on the compute thread (default: a worker)")
     p.add_argument("--no_offload_each_visit", action="store_true",
                    help="keep K/V on the device between visits; offload on eviction and shutdown only")
@@ -51,6 +54,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.cuda_graphs and not args.device.startswith("cuda"):
         parser.error(f"--cuda_graphs needs a CUDA --device, got {args.device}")
+    from kvcache.codecs import get_codec  # here: --help answers without importing torch
+
+    try:
+        args.kv_codec = get_codec(args.kv_codec).spec
+    except ValueError as err:
+        parser.error(f"--kv_codec: {err}")
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {args.port}")
     if args.max_wait_ms < 0:

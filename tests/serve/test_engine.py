@@ -183,3 +183,31 @@ def test_shutdown_offloads_device_kv_to_the_shared_tier(serving_artifacts, priva
         assert result.cache.tokens_reused == served.cache.tokens_computed - len(first.candidate_video_ids)
     finally:
         staying.shutdown()
+
+
+def test_a_lossless_codec_on_the_tiers_serves_the_same_scores(serving_artifacts):
+    """`EngineConfig.kv_codec` (the node's --kv_codec): returning users reloaded from `zstd-channel`
+    host memory score as the offline replay does."""
+    engine = engine_for(serving_artifacts, kv_codec="zstd-channel")
+    try:
+        assert engine.cache.config.kv_codec == "zstd-channel"
+        rows = returning_user(engine.history)
+        expected = offline_logits(serving_artifacts, rows, batch_size=1)
+        got = []
+        for query in visit_queries(engine.history, rows):
+            engine.cache.evict_kv_cache()  # every visit after the first reloads from the host tier
+            got.append(engine.score_batch([query])[0])
+        assert [r.cache.tier for r in got[1:]] == ["host"] * (len(rows) - 1)
+        for result, want in zip(got, expected):
+            assert_logits_close(torch.tensor(result.logits), want)
+    finally:
+        engine.shutdown()
+
+
+def test_the_node_refuses_an_unknown_codec_before_the_slow_start(capsys):
+    from serve.node import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--checkpoint", "c", "--port", "8001", "--data_dir", "d", "--kv_codec", "lz77"])
+    assert refused.value.code == 2
+    assert "--kv_codec" in capsys.readouterr().err
