@@ -15,6 +15,11 @@ Tiers: `memory` (InMemoryHostStorage), `disk` (DiskHostStorage in a temp dir, pa
 the node wrote it), `redis` (RedisHostStorage on a redis-server started on loopback, or
 --redis_url). Each round times the recompute and every tier's reload in alternation (the
 machine is shared; drift hits both); medians over --repeats rounds after one warm-up.
+
+`--attention_window W` times a model with a sliding attention window of W events and its cache's
+read window (kvcache/read_window.py): the user's pages before its last W tokens are released on
+the device and offloaded as zeros, so an onload copies only the live pages, and a compressing codec
+stores and moves the rest in a few bytes each. Every row reports the bytes its tier stores.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from device_profile import sync
-from kvcache import HostKVStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, paged_kvcache_ops
+from kvcache import HostKVStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, ReadWindow, paged_kvcache_ops
 from kvcache.codecs import DEFAULT_CODEC, get_codec
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from kvcache.storage import DiskHostStorage
@@ -55,6 +60,7 @@ class Row:
     reload_ms: float
     recompute_ms: float
     speedup: float  # median over rounds of recompute / reload (> 1: reloading wins)
+    stored_bytes: int = 0  # what the tier holds of the user
 
 
 TierFactory = Callable[[int], HostKVStorage]  # history length -> an empty tier
@@ -79,10 +85,12 @@ def tier_factories(names: list[str], workdir: Path, redis_url: str, capacity: in
 
 def cache_config(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, device: torch.device | str = "cpu"
                  ) -> KVCacheConfig:
-    """A device pool just large enough for one user of `history` + 1 tokens."""
+    """A device pool just large enough for one user of `history` + 1 tokens (with the model's read window)."""
+    window = model_cfg.attention_window
     return KVCacheConfig(
         num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
         page_size=model_cfg.page_size, num_pages=-(-(history + 1) // model_cfg.page_size), dtype=dtype, device=device,
+        read_window=ReadWindow(size=window, sink=model_cfg.num_prefix_tokens) if window else None,
     )
 
 
@@ -124,6 +132,7 @@ def recompute_fn(model: HSTURecommender, history: int) -> Callable[[], None]:
 def bench_history(model: HSTURecommender, factories: dict[str, TierFactory], history: int, repeats: int,
                   progress: tqdm) -> list[Row]:
     caches = {name: loaded_cache(model.config, model.dtype, history, make(history)) for name, make in factories.items()}
+    stored = {name: cache.host_storage.bytes_used for name, cache in caches.items()}
     recompute = recompute_fn(model, history)
     reload_s: dict[str, list[float]] = {name: [] for name in caches}
     recompute_s: list[float] = []
@@ -146,7 +155,7 @@ def bench_history(model: HSTURecommender, factories: dict[str, TierFactory], his
             cache.host_storage.close()  # the benchmark built it: the manager does not own it
     return [
         Row(name, history, statistics.median(ts) * 1e3, statistics.median(recompute_s) * 1e3,
-            statistics.median(r / t for r, t in zip(recompute_s, ts)))
+            statistics.median(r / t for r, t in zip(recompute_s, ts)), stored[name])
         for name, ts in reload_s.items()
     ]
 
@@ -174,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--histories", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
     p.add_argument("--kv_codecs", nargs="+", default=[DEFAULT_CODEC],
                    help="codec specs the tiers store pages with (kvcache.codecs), each timed as a tier of its own")
+    p.add_argument("--attention_window", type=int, default=0,
+                   help="a model with a sliding attention window of this many events, its cache releasing the rest "
+                        "(0: every key)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -181,12 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="where the disk tier writes (default: a temp dir)")
     p.add_argument("--output", default="artifacts/tier_benchmark.json")
     args = p.parse_args(argv)
+    if args.attention_window < 0:
+        p.error(f"--attention_window must be >= 0 (0: every key), got {args.attention_window}")
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)
     longest = max(args.histories)
     cfg = long_history_config(preset("kuairand-1k", video_hash_size=1024), longest)  # embeddings are not timed
+    cfg = cfg.replace(attention_window=args.attention_window)
     torch.manual_seed(0)
     model = HSTURecommender(cfg).to(dtype).eval()
     layout = cache_config(cfg, dtype, longest).page_layout
@@ -207,11 +222,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows += bench_history(model, factories, history, args.repeats, progress)
 
     print(f"kuairand-1k geometry ({cfg.num_layers} layers, {cfg.num_heads} heads x {cfg.head_dim}, page "
-          f"{cfg.page_size}), {args.dtype}, {torch.get_num_threads()} threads; medians of {args.repeats} rounds")
-    print(f"{'tier':<28} {'history':>7} {'MB':>7} {'reload ms':>10} {'recompute ms':>13} {'recompute/reload':>17}")
+          f"{cfg.page_size}), {args.dtype}, attention window {args.attention_window or 'none'}, "
+          f"{torch.get_num_threads()} threads; medians of {args.repeats} rounds")
+    print(f"{'tier':<28} {'history':>7} {'MB':>7} {'stored MB':>9} {'reload ms':>10} {'recompute ms':>13} "
+          f"{'recompute/reload':>17}")
     for r in rows:
-        print(f"{r.tier:<28} {r.history:>7} {r.history * layout.token_nbytes / 2**20:>7.1f} {r.reload_ms:>10.2f} "
-              f"{r.recompute_ms:>13.1f} {r.speedup:>16.1f}x")
+        print(f"{r.tier:<28} {r.history:>7} {r.history * layout.token_nbytes / 2**20:>7.1f} {r.stored_bytes / 2**20:>9.1f} "
+              f"{r.reload_ms:>10.2f} {r.recompute_ms:>13.1f} {r.speedup:>16.1f}x")
     vs_raw = reload_vs_raw(rows)
     for name, ratio in vs_raw.items():
         print(f"{name}: reload {ratio:.2f}x the raw reload's time")
@@ -222,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shortest = " (the shortest tested)" if length == min(args.histories) else ""
             print(f"{tier}: reload beats recompute from {length} tokens on{shortest}")
-    result = {"preset": "kuairand-1k", "dtype": args.dtype, "threads": torch.get_num_threads(),
+    result = {"preset": "kuairand-1k", "dtype": args.dtype, "attention_window": args.attention_window,
+              "threads": torch.get_num_threads(),
               "repeats": args.repeats, "tiers": args.tiers, "histories": args.histories,
               "rows": [asdict(r) for r in rows], "crossover": crossovers,
               "reload_vs_raw": vs_raw}

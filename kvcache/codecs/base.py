@@ -116,6 +116,14 @@ class EncodedPages:
         return cls(spec, rows.contiguous().view(-1), np.arange(k + 1, dtype=np.int64) * width)
 
 
+def zero_pages(pages: PageData) -> np.ndarray:
+    """[k] bool: pages whose K/V and times are all zero bits (what a read window offloads for the tokens
+    no query reads, kvcache/read_window.py). Compressing codecs store such a page as no bytes."""
+    kv = pages.kv.view(torch.uint8)  # bits, so that -0.0 is not zero; page rows are dense, any strides
+    nonzero = kv.any(dim=tuple(range(1, kv.dim()))).bool() | pages.times.any(dim=1)  # any() of uint8 is uint8
+    return ~nonzero.numpy()
+
+
 class KVCodec(ABC):
     """Encodes pages of a `PageLayout` to bytes and back.
 

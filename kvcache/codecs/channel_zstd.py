@@ -20,8 +20,9 @@ a chunk of pages at once; zstd runs three times a page.
 
 A page's bytes: three uint32 lengths, then zstd(references, packed reference signs, the tokens'
 times, the distances that did not fit a code), zstd(codes), zstd(mantissa bytes), the low bytes,
-left out when they are all zero (a page of K/V a read window zeroed, kvcache/read_window.py, costs
-its times and a few hundred bytes).
+left out when they are all zero. A page of zero bits (K/V and times: what a read window offloads
+for the tokens no query reads, kvcache/read_window.py) is stored as no bytes, and decoded without
+the transform.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from ..config import TIME_NBYTES, PageLayout
 from ..page_data import PageData
-from .base import EncodedPages, InPlaceDecodingCodec
+from .base import EncodedPages, InPlaceDecodingCodec, zero_pages
 from .zstd_contexts import zstd_contexts
 
 _DTYPES = (torch.float32, torch.bfloat16)  # sign + 8 exponent bits in their top two bytes
@@ -54,16 +55,22 @@ class ChannelZstdCodec(InPlaceDecodingCodec):
 
     def encode(self, layout: PageLayout, pages: PageData) -> EncodedPages:
         planes = _Planes(layout, self.spec)
-        rows = []
-        for first in range(0, pages.num_pages, _CHUNK_PAGES):
-            chunk = pages[first : first + _CHUNK_PAGES]
+        rows = [np.empty(0, np.uint8)] * pages.num_pages  # zero pages stay empty
+        stored = np.flatnonzero(~zero_pages(pages))
+        for run in range(0, len(stored), _CHUNK_PAGES):
+            ids = stored[run : run + _CHUNK_PAGES]
+            if ids[-1] - ids[0] == len(ids) - 1:  # a run of pages: a view
+                chunk = pages[int(ids[0]) : int(ids[-1]) + 1]
+            else:
+                index = torch.from_numpy(ids)
+                chunk = PageData(pages.kv.index_select(0, index), pages.times.index_select(0, index))
             codes, far, mantissa, low, refs, signs = planes.split(chunk.kv)
             times = chunk.times.contiguous().numpy().view(np.uint8).reshape(chunk.num_pages, -1)
             for i in range(chunk.num_pages):
                 header = np.concatenate([refs[i], signs[i], times[i], far[i]])
                 parts = [self._compress(part) for part in (header, codes[i], mantissa[i])]
                 lengths = np.array([len(p) for p in parts], dtype=_LENGTHS).view(np.uint8)
-                rows.append(np.concatenate([lengths, *parts] + ([low[i]] if low[i].any() else [])))
+                rows[ids[i]] = np.concatenate([lengths, *parts] + ([low[i]] if low[i].any() else []))
         return EncodedPages.from_rows(self.spec, rows)
 
     def decode_into(self, layout: PageLayout, encoded: EncodedPages, out: PageData) -> None:
@@ -71,8 +78,15 @@ class ChannelZstdCodec(InPlaceDecodingCodec):
         self.check_spec(encoded)
         planes = _Planes(layout, self.spec)
         rows = encoded.rows()
-        for first in range(0, len(rows), _CHUNK_PAGES):
-            chunk = rows[first : first + _CHUNK_PAGES]
+        sizes = encoded.sizes()
+        empty = torch.from_numpy(np.flatnonzero(sizes == 0))
+        if len(empty):
+            out.kv.index_fill_(0, empty, 0)
+            out.times.index_fill_(0, empty, 0)
+        stored = np.flatnonzero(sizes)
+        for run in range(0, len(stored), _CHUNK_PAGES):
+            ids = stored[run : run + _CHUNK_PAGES]
+            chunk = [rows[i] for i in ids]
             k = len(chunk)
             codes = np.empty((k, planes.values // 2), np.uint8)
             mantissa = np.empty((k, planes.values), np.uint8)
@@ -81,12 +95,18 @@ class ChannelZstdCodec(InPlaceDecodingCodec):
             times = np.empty((k, layout.page_size * TIME_NBYTES), np.uint8)
             far = []
             for i, row in enumerate(chunk):
-                header, codes[i], mantissa[i], low[i] = self._page_parts(planes, first + i, row)
+                header, codes[i], mantissa[i], low[i] = self._page_parts(planes, int(ids[i]), row)
                 refs[i], signs[i], times[i] = np.split(header[: planes.header_nbytes], planes.header_splits)
                 far.append(header[planes.header_nbytes :])
-            pages = slice(first, first + k)
-            out.kv[pages] = planes.join(codes, far, mantissa, low, refs, signs, first)
-            out.times[pages] = torch.from_numpy(times.view("<i8"))
+            kv = planes.join(codes, far, mantissa, low, refs, signs, ids)
+            if ids[-1] - ids[0] == k - 1:  # a run of pages: a slice write
+                pages = slice(int(ids[0]), int(ids[0]) + k)
+                out.kv[pages] = kv
+                out.times[pages] = torch.from_numpy(times.view("<i8"))
+            else:
+                index = torch.from_numpy(ids)
+                out.kv.index_copy_(0, index, kv.contiguous())
+                out.times.index_copy_(0, index, torch.from_numpy(times.view("<i8")))
 
     def _compress(self, part: np.ndarray) -> np.ndarray:
         return np.frombuffer(self._zstd.compressor.compress(part.tobytes()), dtype=np.uint8)
@@ -157,8 +177,9 @@ class _Planes:
                 ref_exponent.reshape(k, -1).numpy(), np.packbits(ref_sign.reshape(k, -1).numpy(), axis=1))
 
     def join(self, codes: np.ndarray, far: list[np.ndarray], mantissa: np.ndarray, low: np.ndarray,
-             refs: np.ndarray, signs: np.ndarray, first: int) -> Tensor:
-        """The inverse of `split` for pages `first`, ...: [k, L, 2, S, H, D] K/V in the layout's dtype (a strided view)."""
+             refs: np.ndarray, signs: np.ndarray, pages: np.ndarray) -> Tensor:
+        """The inverse of `split` for the pages numbered `pages`: [k, L, 2, S, H, D] K/V in the layout's dtype
+        (a strided view)."""
         k, (num_layers, two, tokens, heads, dim) = len(codes), self.layout.page_shape
         channel_major = (k, num_layers, two, heads, dim, tokens)
         per_channel = (k, num_layers, two, heads, dim, 1)
@@ -169,7 +190,7 @@ class _Planes:
         counts = is_far.view(k, -1).sum(dim=1).tolist()  # host arrays: no device sync
         for i, (stored, count) in enumerate(zip(far, counts)):
             if len(stored) != count:
-                raise ValueError(f"Codec {self.codec}: page {first + i} is not this codec's encoding of the layout's "
+                raise ValueError(f"Codec {self.codec}: page {int(pages[i])} is not this codec's encoding of the layout's "
                                  f"pages ({count} far exponents coded, {len(stored)} stored).")
         distance[is_far] = torch.from_numpy(np.concatenate(far)).to(torch.int16)  # row-major: page by page
         exponent = (distance + torch.from_numpy(refs).view(per_channel)).to(torch.uint8)  # mod 256

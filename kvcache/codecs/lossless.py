@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..config import TIME_NBYTES, PageLayout
 from ..page_data import PageData
-from .base import EncodedPages, KVCodec
+from .base import EncodedPages, KVCodec, zero_pages
 from .fixed_width import FixedWidthCodec
 from .raw import RawCodec
 from .values import CastValues
@@ -55,7 +55,9 @@ class ZstdCodec(KVCodec):
         if self.shuffle:
             rows = self._shuffled(layout, rows)
         compress = self._zstd.compressor.compress
-        return EncodedPages.from_rows(self.spec, [np.frombuffer(compress(row), dtype=np.uint8) for row in rows.numpy()])
+        zero = zero_pages(pages)  # stored as no bytes (kvcache/read_window.py offloads such pages)
+        return EncodedPages.from_rows(self.spec, [np.empty(0, np.uint8) if z else np.frombuffer(compress(row), np.uint8)
+                                                  for row, z in zip(rows.numpy(), zero)])
 
     def decode(self, layout: PageLayout, encoded: EncodedPages) -> PageData:
         return self._plain.decode(layout, self._plain_rows(layout, encoded))
@@ -85,6 +87,9 @@ class ZstdCodec(KVCodec):
         plain = rows.numpy()
         decompress = self._zstd.decompressor.decompress
         for i, row in enumerate(encoded.rows()):
+            if not len(row):  # a page of zero bits
+                plain[i] = 0
+                continue
             try:
                 page = decompress(row, max_output_size=width)
             except self._zstd.error as err:

@@ -225,6 +225,34 @@ def test_zstd_channel_keeps_far_exponents_zeros_and_non_finite_values_bit_for_bi
     assert torch.equal(decoded.times, pages.times)
 
 
+@pytest.mark.parametrize("spec", ["zstd-channel", "zstd", "zstd:values=bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressing_codecs_store_pages_of_zero_bits_as_nothing_and_decode_them_exactly(spec, dtype):
+    """Pages a read window zeroed (K/V and times): no bytes, wherever they sit among stored pages, decoded
+    (also into strided output) to zeros; a page of -0.0 or with nonzero times is not zero bits."""
+    layout = PageLayout(2, 2, 8, 4, dtype)
+    pages = _channel_scaled_pages(7, 3, layout)
+    for i in (1, 2, 5):
+        pages.kv[i].zero_()
+        pages.times[i].zero_()
+    pages.kv[3].fill_(-0.0)
+    pages.times[3].zero_()
+    pages.kv[6].zero_()  # times kept: stored
+    codec = get_codec(spec)
+    encoded = codec.encode(layout, pages)
+    sizes = encoded.sizes().tolist()
+    assert [i for i, n in enumerate(sizes) if n == 0] == [1, 2, 5]
+    if spec.endswith("bf16"):  # exact on top of the cast
+        pages = codec.decode(layout, codec.encode(layout, pages))
+    decoded = codec.decode(layout, encoded)
+    assert torch.equal(decoded.kv.contiguous().view(torch.uint8), pages.kv.contiguous().view(torch.uint8))
+    assert torch.equal(decoded.times, pages.times)
+    out = PageData(torch.full((layout.num_layers, 7, *layout.page_shape[1:]), 7.0, dtype=dtype).transpose(0, 1),
+                   torch.full((7, layout.page_size), 7))
+    codec.decode_into(layout, encoded, out)  # the pool's layer-major pages
+    assert pages_equal(out, pages)
+
+
 def test_zstd_channel_refuses_other_dtypes_and_damaged_pages_by_name():
     codec = get_codec("zstd-channel")
     fp16 = PageLayout(3, 2, 8, 4, torch.float16)

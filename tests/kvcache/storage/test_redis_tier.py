@@ -525,6 +525,25 @@ def test_tier_benchmark_times_each_codec_against_raw(tmp_path, monkeypatch):
     assert len(result["reload_vs_raw"]) == 2
 
 
+def test_tier_benchmark_with_an_attention_window_stores_and_moves_only_what_the_window_reads(tmp_path, monkeypatch):
+    """--attention_window: the user's unread pages are released and offloaded as zeros, which
+    `zstd-channel` stores as no bytes; a negative window is refused by name."""
+    bench = _tier_benchmark(monkeypatch)
+    stored = {}
+    for window in (0, 16):
+        out = tmp_path / f"tiers-{window}.json"
+        assert bench.main(["--tiers", "memory", "--histories", "256", "--repeats", "1", "--kv_codecs", "raw",
+                           "zstd-channel", "--attention_window", str(window), "--workdir", str(tmp_path),
+                           "--output", str(out)]) == 0
+        result = json.loads(out.read_text())
+        assert result["attention_window"] == window
+        stored[window] = {r["tier"]: r["stored_bytes"] for r in result["rows"]}
+    assert stored[16]["memory"] == stored[0]["memory"] > 0  # raw pages: the zeros cost their size
+    assert stored[16]["memory zstd-channel"] < stored[0]["memory zstd-channel"] / 4
+    with pytest.raises(SystemExit):
+        bench.main(["--attention_window", "-1"])
+
+
 def _serve_returning_users(url, ns, users):
     """A second node (the config's chain: FailOpenStorage around Redis) serves every user again."""
     node = KVCacheManager(CFG, host_storage=FailOpenStorage(RedisHostStorage(url, ns, 1 << 20), "redis"))
