@@ -117,7 +117,7 @@ def cache_config(args: argparse.Namespace, model: HSTURecommender, working_set: 
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=page_size,
         num_pages=num_pages, dtype=DTYPES[args.dtype], device=args.device, host_capacity_bytes=host_capacity,
         async_offload=args.async_offload, kv_codec=args.kv_codec, **tier_settings(args, fingerprint),
-        read_window=None if args.keep_unread_kv else model.cache_read_window,
+        read_window=None if args.keep_unread_kv else model.config.cache_read_window,
     )
 
 

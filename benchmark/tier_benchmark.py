@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from device_profile import sync
-from kvcache import HostKVStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, ReadWindow, paged_kvcache_ops
+from kvcache import HostKVStorage, InMemoryHostStorage, KVCacheConfig, KVCacheManager, paged_kvcache_ops
 from kvcache.codecs import DEFAULT_CODEC, get_codec
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from kvcache.storage import DiskHostStorage
@@ -86,11 +86,10 @@ def tier_factories(names: list[str], workdir: Path, redis_url: str, capacity: in
 def cache_config(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, device: torch.device | str = "cpu"
                  ) -> KVCacheConfig:
     """A device pool just large enough for one user of `history` + 1 tokens (with the model's read window)."""
-    window = model_cfg.attention_window
     return KVCacheConfig(
         num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
         page_size=model_cfg.page_size, num_pages=-(-(history + 1) // model_cfg.page_size), dtype=dtype, device=device,
-        read_window=ReadWindow(size=window, sink=model_cfg.num_prefix_tokens) if window else None,
+        read_window=model_cfg.cache_read_window,
     )
 
 

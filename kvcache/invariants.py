@@ -30,8 +30,6 @@ def check_invariants(residency: Residency) -> None:
             assert res.length > 0 and len(res.pages) == committed, f"user {u} holds wrong pages"
         released = [i for i, p in enumerate(res.pages) if p == sink]
         first, stop = residency.release.released(res.length)
-        assert len(released) == res.released and released == list(range(first, first + res.released)), \
-            f"user {u}: released pages {released} are not the first {res.released} of [{first}, {stop})"
-        assert first + res.released <= max(first, stop), f"user {u}: a page still read was released"
+        assert released == list(range(first, stop)), f"user {u}: released pages {released}, expected [{first}, {stop})"
         h = res.synced
         assert h is None or (h.start_pos == res.start_pos and h.length <= res.length), f"user {u}: host ahead"

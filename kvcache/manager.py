@@ -289,7 +289,7 @@ class KVCacheManager:
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return snapshot(self._counters, self._pool, self._host, (r.live_pages for r in self._users.values()))
+            return snapshot(self._counters, self._pool, self._host, (self._residency.live_pages(r) for r in self._users.values()))
 
     def close(self) -> None:
         """Finish pending offloads, stop the offload worker (async mode) and close the tiers the manager built.

@@ -4,7 +4,7 @@ With `KVCacheConfig.read_window`, a page holding only tokens no later query read
 (`ReadWindow.unread_pages`: a run of pages after the sink's, growing with the user) is given back to
 the pool when a commit makes it so, and never allocated when the user is onloaded. Its entry in the
 user's page list becomes the pool's sink page, so positions, slots and the page table keep their
-shape (`Resident.released` counts these entries) and attention reads the sink there, under its
+shape (how many follows from the length: `released_count`) and attention reads the sink there, under its
 window's mask. Onloads copy only the live pages; offloads read the sink for the released ones, which
 `zero_unread` then zeroes. Without a read window nothing is released.
 
@@ -33,15 +33,16 @@ class PageRelease:
 
     def released(self, length: int) -> tuple[int, int]:
         """Pages [first, stop) of a `length`-token user that the device does not hold (first == stop: none)."""
-        if self.window is None:
-            return 0, 0
-        first, stop = self.window.unread_pages(length, self.layout.page_size)
-        return first, max(first, stop)
+        return (0, 0) if self.window is None else self.window.unread_pages(length, self.layout.page_size)
 
-    def live_pages(self, length: int) -> int:
-        """Device pages a `length`-token user holds (what an onload allocates)."""
+    def released_count(self, length: int) -> int:
         first, stop = self.released(length)
-        return self.layout.num_pages(length) - (stop - first)
+        return stop - first
+
+    def live_pages(self, length: int, listed: int | None = None) -> int:
+        """Device pages a `length`-token user holds: of its `listed` page-list entries (default: its
+        committed pages, what an onload allocates), those that are not the sink."""
+        return (self.layout.num_pages(length) if listed is None else listed) - self.released_count(length)
 
     def onload_pages(self, length: int, fresh: array) -> array:
         """The page list of an onloaded `length`-token user: `fresh` (its `live_pages(length)` pages) with
@@ -49,11 +50,11 @@ class PageRelease:
         first, stop = self.released(length)
         return fresh[:first] + array("q", [self.sink_page]) * (stop - first) + fresh[first:]
 
-    def newly_released(self, length: int, released: int) -> tuple[int, int]:
-        """Pages [start, stop) of a user's page list to free now that it holds `length` tokens, `released`
-        of its pages being the sink already (start >= stop: none)."""
+    def newly_released(self, before: int, length: int) -> tuple[int, int]:
+        """Pages [start, stop) of a user's page list to free now that it holds `length` tokens, not
+        `before` (start >= stop: none)."""
         first, stop = self.released(length)
-        return first + released, stop
+        return first + self.released_count(before), stop
 
     def live_parts(self, pages: array, host_pages: HostPageData, length: int) -> list[tuple[array, HostPageData]]:
         """(device pages, host pages) of an onload without its released pages: one part, or two around them."""

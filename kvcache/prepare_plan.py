@@ -62,13 +62,13 @@ def plan_prepare(
         res = residency.users.get(u)
         if res is not None:
             cached_start, cached_len, have = res.start_pos, res.length, len(res.pages)
-            held += res.live_pages
+            held += residency.live_pages(res)
         else:
             h = residency.host.info(u)
             cached_start, cached_len, have = (h.start_pos, h.length, 0) if h is not None else (start, 0, 0)
             if h is not None:
                 on_host[u] = h
-                have = residency.layout.num_pages(h.length) - residency.release.live_pages(h.length)  # released ones
+                have = residency.release.released_count(h.length)  # pages an onload does not allocate
         if expected is not None:
             check_expected(u, start, expected[b], cached_start, cached_len)
         if expected_versions is not None:
@@ -77,7 +77,7 @@ def plan_prepare(
             check_continues(u, start, cached_start, cached_start + cached_len)
         need += -(-(cached_len + new) // page_size) - have
     num_pages = residency.pool.num_pages
-    in_flight = sum(residency.users[u].live_pages for u in residency.in_flight)
+    in_flight = sum(residency.live_pages(residency.users[u]) for u in residency.in_flight)
     available = num_pages - held - in_flight
     if need > available:
         raise KVCacheCapacityError(

@@ -54,8 +54,9 @@ class ReadWindow:
         return max(self.sink, length - self.size)
 
     def unread_pages(self, length: int, page_size: int) -> tuple[int, int]:
-        """Pages `[first, stop)` of a `length`-token entry that hold unread tokens only (first >= stop: none)."""
-        return -(-self.sink // page_size), self.unread_end(length) // page_size
+        """Pages `[first, stop)` of a `length`-token entry that hold unread tokens only (first == stop: none)."""
+        first = -(-self.sink // page_size)
+        return first, max(first, self.unread_end(length) // page_size)
 
     def compact_from(self, length: int, zeroed_end: int, first_page: int, page_size: int) -> int:
         """The first page an offload of a `length`-token entry writes, given that the host's copy holds

@@ -10,7 +10,7 @@ A user is, at any time, in one of these states:
 * unknown: nothing cached in any tier;
 * resident: its committed tokens `[start_pos, start_pos + length)` are in device pages
   (`pages[i]` holds tokens `start_pos + i * page_size ...`; with a read window, the pages of tokens
-  no query reads again are the pool's sink page, `released` of them), and the host may hold a prefix;
+  no query reads again are the pool's sink page, kvcache/page_release.py), and the host may hold a prefix;
 * host-only: evicted from the device, the host tier holds `(start_pos, length)`;
 * in flight: resident, with a prepared but uncommitted batch; its extra pages are reserved
   and its length only moves at commit.
@@ -45,7 +45,7 @@ _NOTHING = HostEntry(0, 0)
 class Resident:
     """A user's committed tokens on the device (plus reserved pages while in flight)."""
 
-    __slots__ = ("generation", "length", "pages", "released", "start_pos", "synced", "tag", "zeroed_end")
+    __slots__ = ("generation", "length", "pages", "start_pos", "synced", "tag", "zeroed_end")
 
     def __init__(self, start_pos: int, length: int, pages: array, tag: bytes = b"", synced: HostEntry | None = None):
         self.start_pos = start_pos
@@ -59,12 +59,6 @@ class Resident:
         # With a read window: the host's copy holds zeros for the unread tokens before this one
         # (bookkeeping of what rewrites pay, kvcache/read_window.py; values never depend on it).
         self.zeroed_end = 0
-        self.released = 0  # pages freed as unread (kvcache/read_window.py): entries of `pages` that are the sink
-
-    @property
-    def live_pages(self) -> int:
-        """Device pages the user owns."""
-        return len(self.pages) - self.released
 
 
 class Onload(NamedTuple):
@@ -99,13 +93,17 @@ class Residency:
         self.release = PageRelease(read_window, layout, pool.num_pages)
         self._compact = read_window if compact_unread else None
 
-    def release_unread(self, res: Resident) -> None:
-        """Free the user's device pages that hold unread tokens only (after a commit grew it)."""
-        start, stop = self.release.newly_released(res.length, res.released)
+    def live_pages(self, res: Resident) -> int:
+        """Device pages the user owns (its page list less the released entries)."""
+        return self.release.live_pages(res.length, listed=len(res.pages))
+
+    def release_unread(self, res: Resident, before: int) -> None:
+        """Free the user's device pages that hold unread tokens only, now that a commit grew it from
+        `before` tokens."""
+        start, stop = self.release.newly_released(before, res.length)
         if start < stop:
             self.pool.free(res.pages[start:stop])
             res.pages[start:stop] = array("q", [self.pool.num_pages]) * (stop - start)
-            res.released += stop - start
 
     def cached_entry(self, u: int) -> HostEntry:
         """What is reusable for the user: the device's committed tokens, else the host's entry, else (0, 0)."""
@@ -209,7 +207,7 @@ class Residency:
         return len(moves)
 
     def evictable_pages(self, exclude: Collection[int]) -> int:
-        return sum(res.live_pages for u, res in self.users.items() if u not in self.in_flight and u not in exclude)
+        return sum(self.live_pages(res) for u, res in self.users.items() if u not in self.in_flight and u not in exclude)
 
     def evict_for(self, pages_needed: int, batch: set[int], protect: Collection[int]) -> None:
         """Evict users (never the batch or users in flight) until `pages_needed` pages are free.
@@ -222,7 +220,7 @@ class Residency:
                 break
             if u not in batch and u not in self.in_flight:
                 victims.append(u)
-                free += self.users[u].live_pages
+                free += self.live_pages(self.users[u])
         self.offload_users(victims, protect)
         for u in victims:
             self.evict(u, offload=False, protect=protect)
@@ -269,12 +267,10 @@ class Residency:
         """The user, whose pages `copy_onloads` copied, resident with exactly the entry its tier returned."""
         u, hp, pages = move
         res = self.users[u] = Resident(hp.start_pos, hp.length, pages, hp.tag, synced=hp.entry)
-        first, stop = self.release.released(hp.length)
-        res.released = stop - first
         if self.read_window is not None:  # what any writer's compaction leaves at most unzeroed
             res.zeroed_end = self.read_window.unread_end(hp.length) - self.read_window.size
         self.policy.add(u)
-        self._counters["onloaded_bytes"] += res.live_pages * self.layout.page_nbytes
+        self._counters["onloaded_bytes"] += self.live_pages(res) * self.layout.page_nbytes
         self._events.on_device(u, hp.start_pos, hp.length)
         return res
 

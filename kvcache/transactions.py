@@ -129,7 +129,7 @@ class Transactions:
             if res.length == 0:
                 residency.drop(u)
             else:
-                residency.release_unread(res)
+                residency.release_unread(res, res.length - n)
                 self._events.on_device(u, res.start_pos, res.length)
         self._events.flush()
         residency.in_flight.difference_update(pending.user_ids)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from data.schema import TASKS
+from kvcache.read_window import ReadWindow
 from model.attention.relative_bias import MAX_POSITION_BUCKETS, MAX_TIME_BUCKETS
 
 if TYPE_CHECKING:
@@ -93,6 +94,13 @@ class HSTUConfig:
     def num_prefix_tokens(self) -> int:
         """C: contextual tokens (one per user feature) at the start of every window."""
         return len(self.user_feature_cardinalities) if self.use_contextual_prefix else 0
+
+    @property
+    def cache_read_window(self) -> ReadWindow | None:
+        """The cached tokens the sliding attention window still reads (its last `attention_window` keys and
+        the contextual prefix), for `KVCacheConfig.read_window`; None when every query sees every key."""
+        window = self.attention_window
+        return ReadWindow(size=window, sink=self.num_prefix_tokens) if window else None
 
     @property
     def attention_dim(self) -> int:

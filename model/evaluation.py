@@ -104,7 +104,7 @@ def _cached_session(model: HSTURecommender, dataset: InferenceDataset, batch_siz
     cache = KVCacheManager(KVCacheConfig(
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
         num_pages=batch_size * pages_per_window, dtype=model.dtype, device=model.device,
-        read_window=model.cache_read_window,
+        read_window=model.config.cache_read_window,
     ))
     return InferenceSession(model, dataset, kv_cache=cache)
 

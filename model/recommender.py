@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 
 from data.batch import VisitBatch
-from kvcache import ReadWindow
 from model import attention
 from model.attention import AttentionBackend, AttentionBatch, BatchAttention, BiasInputs, KeyWindow, registry
 from model.batch_shape import BatchShape
@@ -101,14 +100,6 @@ class HSTURecommender(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.output_norm.weight.dtype
-
-    @property
-    def cache_read_window(self) -> ReadWindow | None:
-        """The cached tokens this model's sliding attention window still reads (the window's last
-        `attention_window` keys and its contextual prefix), for `KVCacheConfig.read_window`; None when
-        every query sees every key."""
-        window = self.config.attention_window
-        return ReadWindow(size=window, sink=self.layout.num_prefix) if window else None
 
     def forward(self, batch: VisitBatch, kv: KVStore | None = None) -> Tensor:
         """Candidate logits [sum candidate_lengths, num_tasks] float32.

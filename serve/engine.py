@@ -246,7 +246,7 @@ def open_engine(config: EngineConfig) -> ScoringEngine:
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=page_size,
         num_pages=config.kv_pages, device=config.device, host_capacity_bytes=config.host_capacity_bytes,
         async_offload=config.async_offload, redis_url=config.redis_url, redis_namespace=fingerprint if config.redis_url else "",
-        redis_capacity_bytes=config.redis_capacity_bytes, kv_codec=config.kv_codec, read_window=model.cache_read_window,
+        redis_capacity_bytes=config.redis_capacity_bytes, kv_codec=config.kv_codec, read_window=model.config.cache_read_window,
     )
     storage = build_host_storage(kv_config)
     locations = CacheLocations()

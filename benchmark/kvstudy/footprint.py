@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache import PageLayout, ReadWindow
+from kvcache import PageLayout
 from kvcache.page_release import PageRelease
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
@@ -62,8 +62,7 @@ def page_layout(config: HSTUConfig, dtype: torch.dtype) -> PageLayout:
 
 def user_pages(config: HSTUConfig, layout: PageLayout, history: int, window: int = 0) -> int:
     """Device pages a user of `history` tokens holds between visits, its window's unread pages released."""
-    read_window = ReadWindow(size=window, sink=config.num_prefix_tokens) if window else None
-    return PageRelease(read_window, layout, sink_page=-1).live_pages(history)
+    return PageRelease(config.replace(attention_window=window).cache_read_window, layout, sink_page=-1).live_pages(history)
 
 
 def kv_bytes_table(presets: list[str], dtypes: list[torch.dtype], histories: list[int],

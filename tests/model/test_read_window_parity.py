@@ -1,5 +1,5 @@
 """A sliding-window model served through a cache that offloads its unread K/V as zeros
-(`HSTURecommender.cache_read_window`, kvcache/read_window.py): every returning user's logits are
+(`HSTUConfig.cache_read_window`, kvcache/read_window.py): every returning user's logits are
 bit-identical to a cache that keeps them, while compressing tiers store far fewer bytes; a candidate
 that would read behind the cached end is recomputed instead."""
 from __future__ import annotations
@@ -38,9 +38,9 @@ def cache_for(model, read_window) -> KVCacheManager:
 
 def test_the_model_names_its_window():
     config = preset("tiny", user_feature_cardinalities=(3, 4))
-    assert sensitive_model(config, 0).cache_read_window is None
+    assert sensitive_model(config, 0).config.cache_read_window is None
     windowed = sensitive_model(config.replace(attention_window=9), 0)
-    assert windowed.cache_read_window == ReadWindow(size=9, sink=windowed.layout.num_prefix)
+    assert windowed.config.cache_read_window == ReadWindow(size=9, sink=windowed.layout.num_prefix)
 
 
 @pytest.mark.parametrize("backend, count", [
@@ -55,7 +55,7 @@ def test_unread_kv_released_and_offloaded_as_zeros_leave_every_logit_unchanged(w
     assert model.resolved_attention_backend().name == backend
     kept, kept_bytes = returning_users(model, dataset, count, kv_codec="zstd-channel")
     zeroed, zeroed_bytes = returning_users(model, dataset, count, kv_codec="zstd-channel",
-                                           read_window=model.cache_read_window)
+                                           read_window=model.config.cache_read_window)
     assert torch.equal(kept, zeroed)
     assert zeroed_bytes < 0.8 * kept_bytes
 
@@ -76,7 +76,7 @@ def test_a_candidate_reading_behind_the_cached_end_is_recomputed(world):
     dataset, model = world
     earlier, visit = returning_visit(dataset)
     req = dataset.requests
-    cache = cache_for(model, model.cache_read_window)
+    cache = cache_for(model, model.config.cache_read_window)
     session = InferenceSession(model, dataset, kv_cache=cache)
 
     def looking_back(starts, window_starts):
@@ -104,7 +104,7 @@ def test_a_visit_with_no_new_events_reads_the_oldest_key_its_window_keeps(world)
     earlier, _ = returning_visit(dataset)
     req = dataset.requests
     logits = []
-    for read_window in (None, model.cache_read_window):
+    for read_window in (None, model.config.cache_read_window):
         cache = cache_for(model, read_window)
         with cache:
             InferenceSession(model, dataset, kv_cache=cache).serve(np.array([earlier]))
