@@ -70,3 +70,9 @@ def test_an_unknown_codec_is_refused_before_anything_runs(capsys):
     with pytest.raises(SystemExit):
         kv_study.parse_args(["--codecs", "lz77"])
     assert "Unknown KV codec" in capsys.readouterr().err
+
+
+def test_a_negative_attention_window_is_refused_before_anything_runs(capsys):
+    with pytest.raises(SystemExit):
+        kv_study.parse_args(["--attention_windows", "0", "-4"])
+    assert "--attention_windows must be >= 0" in capsys.readouterr().err
