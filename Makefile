@@ -17,11 +17,10 @@ RAW_DIR     := $(if $(DATA_DIR),$(DATA_DIR),$(ARTIFACTS)/raw)
 PROCESSED   := $(ARTIFACTS)/processed
 CHECKPOINT  := $(ARTIFACTS)/checkpoint
 DEMO_PRESET ?= demo
-# The recipe whose model reads its history (docs/model.md, "A tag-match term in the attention"); at two
-# threads it stops at its best holdout epoch after ~250 s, so the cap only guards a slow machine.
-DEMO_RECIPE ?= sequence
 DEMO_REQUESTS ?=
-TRAIN_SECONDS ?= 600
+# Training stops at its best holdout epoch or at this budget, whichever comes first.
+TRAIN_SECONDS ?= 300
+STEPS       = $(PY) tools/demo_step.py --log $(ARTIFACTS)/steps.jsonl
 REPORT_DIR  ?= artifacts/gpu-report
 GPU_REPORT_ARGS ?=
 # A folder with wheels and setup.sh for a GPU machine that has a CUDA torch but cannot install packages
@@ -76,20 +75,23 @@ gpu-kit: $(STAMP)
 	$(PY) tools/gpu_kit.py --out .gpu-kit
 
 demo: $(STAMP)
+	@$(STEPS) --reset
 ifeq ($(DATA_DIR),)
 	@test -f $(RAW_DIR)/user_features_1k.csv || \
-		$(PY) -m data.synthetic --out $(RAW_DIR) --scale $(DEMO_SCALE) --seed $(DEMO_SEED)
+		$(STEPS) --name generate -- $(PY) -m data.synthetic --out $(RAW_DIR) --scale $(DEMO_SCALE) --seed $(DEMO_SEED)
 endif
-	$(PY) preprocessor_inference.py --dataset_name kuairand-1k --data_dir $(RAW_DIR) --output_dir $(PROCESSED)
+	$(STEPS) --name preprocess -- $(PY) preprocessor_inference.py --dataset_name kuairand-1k --data_dir $(RAW_DIR) \
+		--output_dir $(PROCESSED)
 	@test -f $(CHECKPOINT)/model.pt || \
-		$(PY) -m model.train --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) --preset $(DEMO_PRESET) \
-			--recipe $(DEMO_RECIPE) --max_train_seconds $(TRAIN_SECONDS)
-	$(PY) benchmark/inference_end2end_example.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
-		$(if $(DEMO_REQUESTS),--max_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/end2end.json
-	$(PY) benchmark/quality_benchmark.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
-		$(if $(DEMO_REQUESTS),--max_eval_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/quality.json
-	$(PY) benchmark/order_ablation.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) --last_k 0 --no_shuffle \
-		$(if $(DEMO_REQUESTS),--max_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/order_ablation.json
+		$(STEPS) --name train -- $(PY) -m model.train --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
+			--preset $(DEMO_PRESET) --max_train_seconds $(TRAIN_SECONDS)
+	$(STEPS) --name replay -- $(PY) benchmark/inference_end2end_example.py --data_dir $(PROCESSED) \
+		--checkpoint $(CHECKPOINT) $(if $(DEMO_REQUESTS),--max_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/end2end.json
+	$(STEPS) --name quality -- $(PY) benchmark/quality_benchmark.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
+		--quick $(if $(DEMO_REQUESTS),--max_eval_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/quality.json
+	$(STEPS) --name ablation -- $(PY) benchmark/order_ablation.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
+		--last_k 0 --no_shuffle $(if $(DEMO_REQUESTS),--max_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/order_ablation.json
+	@$(STEPS) --report
 
 clean:
 	rm -rf artifacts

@@ -77,7 +77,7 @@ def plan_steps(out: Path, work: Path, dry: bool) -> list[Step]:
         tests_commands = [[*tests, "--collect-only", *KERNEL_TESTS], [*tests, "--collect-only", "tests", "-k", "cuda"]]
         block = ["--preset", "tiny", "--histories", "64", "--batches", "1", "2", "--new_tokens", "8",
                  "--candidates", "4", "--repeats", "1"]
-        replay = ["--preset", "tiny", "--recipe", "sequence", "--max_requests", "16", "--batch_size", "4"]
+        replay = ["--preset", "tiny", "--recipe", "default", "--max_requests", "16", "--batch_size", "4"]
         launches = ["--preset", "tiny", "--history", "64", "--new_tokens", "8", "--candidates", "4"]
         study = ["--preset", "tiny", "--presets", "tiny", "--histories", "16", "64", "--new_tokens", "8",
                  "--candidates", "4", "--repeats", "1", "--tiers", "memory", "--codecs", "raw", "int8",
@@ -88,7 +88,7 @@ def plan_steps(out: Path, work: Path, dry: bool) -> list[Step]:
         block = ["--preset", "kuairand-1k", "--histories", str(TARGET_HISTORY), "--batches", "1", "8", "32",
                  "--new_tokens", "128", "--candidates", "256", "--repeats", "20", "--cuda_graphs"]
         # The model make demo ships (tags, the tag-match kernel variant, a 512-event window) at the target size.
-        replay = ["--preset", "kuairand-1k", "--recipe", "sequence", "--max_requests", "2000", "--batch_size", "8"]
+        replay = ["--preset", "kuairand-1k", "--recipe", "default", "--max_requests", "2000", "--batch_size", "8"]
         launches = ["--preset", "kuairand-1k", "--history", str(TARGET_HISTORY), "--new_tokens", "128",
                     "--candidates", "256"]
         # Redis joins when the machine has redis-server (the study notes it otherwise); the host-decoded

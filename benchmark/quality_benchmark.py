@@ -30,7 +30,7 @@ from data.dataset import InferenceDataset
 from data.schema import beijing_midnight_ms
 from model.auc_interval import PairedInterval
 from model.baselines import ItemPopularity
-from model.baselines.registry import BASELINES
+from model.baselines.registry import BASELINES, QUICK_BASELINES
 from model.baselines.tuning import Baseline
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import PRESET_NAMES
@@ -109,6 +109,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baselines", nargs="+", default=names, metavar="NAME",
                    help=f"the baselines to fit (default: all): {', '.join(repr(n) for n in names)}")
     p.add_argument("--baselines_only", action="store_true", help="fit and score the baselines alone (no model)")
+    p.add_argument("--quick", action="store_true",
+                   help="one grid point per baseline (model/baselines/registry.py QUICK_BASELINES): make demo's budget")
     p.add_argument("--resamples", type=int, default=1000,
                    help="user resamples of the paired bootstrap interval of the click margin")
     p.add_argument("--output", type=Path, help="JSON results")
@@ -123,13 +125,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def chosen_baselines(names: list[str]) -> tuple[Baseline, ...]:
-    return tuple(b for b in BASELINES if b.name in names)
+def chosen_baselines(names: list[str], quick: bool = False) -> tuple[Baseline, ...]:
+    return tuple(b for b in (QUICK_BASELINES if quick else BASELINES) if b.name in names)
 
 
 def run_seed(args: argparse.Namespace, dataset: InferenceDataset, split: QualitySplit, seed: int) -> SeedRun:
     """Train (or load) the model, score the evaluation visits, fit and score the baselines, all with `seed`."""
-    baselines = chosen_baselines(args.baselines)
+    baselines = chosen_baselines(args.baselines, args.quick)
     if args.baselines_only:
         return SeedRun(seed, compare(split, {}, seed=seed, baselines=baselines, resamples=args.resamples), None, None)
     checkpoint = args.checkpoint

@@ -47,6 +47,7 @@ from data.dataset import InferenceDataset
 from data.jagged import sorted_lookup
 from data.schema import DEFAULT_SPLIT_DATE
 from data.synthetic import SyntheticSummary, generate
+from data.synthetic_regimes import REGIMES, regime_config
 from data.synthetic_world import SIGNALS, SyntheticConfig, World, intercept, sigmoid, signal_config
 from model.baselines import Interactions
 from model.metrics import auc
@@ -221,7 +222,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data_dir", required=True, help="preprocessor_inference.py output of the synthetic logs")
     p.add_argument("--scale", type=float, required=True, help="data.synthetic --scale the logs were made with")
     p.add_argument("--seed", type=int, required=True, help="data.synthetic --seed")
-    p.add_argument("--signal", choices=tuple(SIGNALS), required=True, help="data.synthetic --signal")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--signal", choices=tuple(SIGNALS), help="data.synthetic --signal")
+    source.add_argument("--regime", choices=REGIMES, help="data.synthetic --regime")
     p.add_argument("--split_date", type=int, default=DEFAULT_SPLIT_DATE)
     p.add_argument("--max_eval_requests", type=int, default=None)
     p.add_argument("--output", type=Path, help="JSON results")
@@ -230,7 +233,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    config = signal_config(args.signal)
+    config = regime_config(args.regime) if args.regime else signal_config(args.signal)
+    made_by = f"--regime {args.regime}" if args.regime else f"--signal {args.signal}"
     try:
         dataset = InferenceDataset(args.data_dir)
         split = quality_split(dataset, args.split_date, max_eval_requests=args.max_eval_requests)
@@ -243,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     logged = dataset.manifest.counts.rows_read
     if any(logged.get(name) != count for name, count in rows.items()):
         print(f"error: {args.data_dir} was not made by data.synthetic --scale {args.scale} --seed {args.seed} "
-              f"--signal {args.signal}: log rows {logged} vs {rows}", file=sys.stderr)
+              f"{made_by}: log rows {logged} vs {rows}", file=sys.stderr)
         return 2
     header = (f"\nclick AUC on {len(split.eval_requests)} visits from {args.split_date} on "
-              f"({len(split.eval_pairs.user_ids)} candidates), --signal {args.signal}")
+              f"({len(split.eval_pairs.user_ids)} candidates), {made_by}")
     if summary.sequence is not None:
         report = _report_order(summary, dataset, split, header)
     else:

@@ -76,10 +76,12 @@ def write_output(
     requests: RequestTable,
     manifest: Manifest,
     video_tags: pa.Table | None = None,
+    video_side_features: pa.Table | None = None,
 ) -> None:
     """Write the output into `out`, replacing a previous one atomically (data/output.py; `input_dir`:
     the directory `out` must not overlap, None when the input is not a directory). `video_tags`
-    (video_id, tag), when the source has them, become `schema.VIDEO_TAGS_FILE`."""
+    (video_id, tag) and `video_side_features` (video_id, schema.VIDEO_SIDE_COLUMNS), when the source has
+    them, become `schema.VIDEO_TAGS_FILE` and `schema.VIDEO_SIDE_FEATURES_FILE`."""
     sequences = sequences_table(events, features, vocabs)
 
     def write(directory: Path) -> None:
@@ -87,6 +89,8 @@ def write_output(
         pq.write_table(requests.to_arrow(), directory / schema.REQUESTS_FILE, compression="zstd")
         if video_tags is not None:
             pq.write_table(video_tags, directory / schema.VIDEO_TAGS_FILE, compression="zstd")
+        if video_side_features is not None:
+            pq.write_table(video_side_features, directory / schema.VIDEO_SIDE_FEATURES_FILE, compression="zstd")
         (directory / schema.MANIFEST_FILE).write_text(manifest.to_json())  # last: marks the output complete
 
     output.replace_output(out, write, input_dir)

@@ -1,7 +1,8 @@
 """Raw KuaiRand-1K logs -> per-user sequences + time-ordered requests (Parquet) + manifest.
 
 Steps: read and validate the two standard logs, the user features and, when the basic video
-features are there, each video's primary tag (data/raw.py `read_video_tags`); stably sort
+features are there, each video's primary tag and side features (data/raw.py `read_video_tags`,
+`read_video_side_features`); stably sort
 events by (user_id, time_ms) with ties in file order (early file first, then row
 order); drop exact duplicate rows (the first copy is kept); split each user's events
 into visits and requests (data/requests.py); encode the user features; write all of it
@@ -57,8 +58,9 @@ def preprocess(
         logs = _read_logs(log_paths)
         stage("read user features")
         feature_table = raw.read_user_features(features_path)
-        stage("read video tags")
+        stage("read video features")
         video_tags = raw.read_video_tags(tags_path) if tags_path is not None else None
+        side_features = raw.read_video_side_features(tags_path) if tags_path is not None else None
         stage("sort + deduplicate")
         events, file_counts = _sort_and_dedup(logs, log_paths)
         rows_read = logs.rows_read
@@ -74,7 +76,7 @@ def preprocess(
             source_counts={"rows_read": dict(zip(schema.STANDARD_LOGS, rows_read)), **file_counts, **feature_counts},
         )  # fmt: skip
         stage("write")
-        write_output(out, src, events, features, vocabs, split.requests, manifest, video_tags)
+        write_output(out, src, events, features, vocabs, split.requests, manifest, video_tags, side_features)
     return manifest
 
 

@@ -154,6 +154,29 @@ def read_video_tags(path: Path) -> pa.Table:
     return pa.table({"video_id": table.column("video_id").filter(tagged), "tag": pc.cast(primary, pa.int64())})
 
 
+def read_video_side_features(path: Path) -> pa.Table | None:
+    """video_id and the side features of schema.VIDEO_SIDE_COLUMNS the file has (author_id, music_id,
+    video_duration in ms, upload_type), one row per video; None when it has none of them. Empty cells stay
+    null (an empty upload type: empty), unknown to the model; ids must be whole numbers >= 0."""
+    present = {name: dtype for name, dtype in schema.VIDEO_SIDE_COLUMNS.items() if name in read_header(path)}
+    if not present:
+        return None
+    types = {"video_id": pa.int64(), **{name: pa.float64() if pa.types.is_integer(t) else t for name, t in present.items()}}
+    table = read_columns(path, types)
+    _check_range(path, "video_id", table.column("video_id"), LOG_VALUE_RANGES[0])
+    _refuse_repeated(path, table, "video_id")
+    columns = {"video_id": table.column("video_id")}
+    for name, dtype in present.items():
+        values = table.column(name)
+        if pa.types.is_integer(dtype):
+            bad = pc.fill_null(pc.or_(pc.less(values, 0), pc.not_equal(values, pc.floor(values))), False)
+            if pc.any(bad).as_py():
+                raise RawDataError(path, "expected a whole number >= 0", column=name, line=_first_line(bad))
+            values = pc.cast(values, dtype)
+        columns[name] = values
+    return pa.table(columns)
+
+
 def _refuse_repeated(path: Path, table: pa.Table, column: str) -> None:
     """RawDataError at the first line whose `column` value an earlier line already had."""
     ids = table.column(column).to_numpy()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 DATASET_NAME = "kuairand-1k"
 
@@ -42,13 +43,17 @@ LOG_COLUMNS = (
 LOG_DTYPE = np.dtype(np.int64)  # of every log column
 LOG_ID_COLUMNS = ("user_id", "video_id")  # must be >= 0
 
-# The pipeline reads only `video_id` and `tag` of the basic video features (data/video_tags.py).
+# The pipeline reads `video_id`, `tag` and the VIDEO_SIDE_COLUMNS of the basic video features.
 # These headers are the generator's representative choice (plausible, not verified against the
 # real files); `tag` holds the video's category ids, comma-separated, the primary one first.
 VIDEO_BASIC_COLUMNS = (
     "video_id", "author_id", "video_type", "upload_dt", "upload_type", "visible_status",
     "video_duration", "server_width", "server_height", "music_id", "music_type", "tag",
 )  # fmt: skip
+# The side features the model embeds beside the tag (model/video_catalogue.py), and their types: the
+# preprocessor keeps those the basic video features have (`VIDEO_SIDE_FEATURES_FILE`).
+VIDEO_SIDE_COLUMNS = {"author_id": pa.int64(), "music_id": pa.int64(), "video_duration": pa.float64(),
+                      "upload_type": pa.string()}
 VIDEO_STATISTIC_COLUMNS = (
     "video_id", "counts", "show_cnt", "show_user_num", "play_cnt", "play_user_num",
     "play_duration", "complete_play_cnt", "valid_play_cnt", "long_time_play_cnt",
@@ -187,8 +192,10 @@ SEQUENCES_FILE = "sequences.parquet"
 REQUESTS_FILE = "requests.parquet"
 MANIFEST_FILE = "manifest.json"
 VIDEO_TAGS_FILE = "video_tags.parquet"  # video_id, tag (int64): written when the raw video features exist
+# video_id and the VIDEO_SIDE_COLUMNS the raw video features have: written when they have any
+VIDEO_SIDE_FEATURES_FILE = "video_side_features.parquet"
 OUTPUT_FILES = (SEQUENCES_FILE, REQUESTS_FILE, MANIFEST_FILE)  # every output has these
-OPTIONAL_OUTPUT_FILES = (VIDEO_TAGS_FILE,)
+OPTIONAL_OUTPUT_FILES = (VIDEO_TAGS_FILE, VIDEO_SIDE_FEATURES_FILE)
 WRITTEN_FILES = OUTPUT_FILES + OPTIONAL_OUTPUT_FILES  # everything an output directory may hold
 SEQUENCE_LIST_COLUMNS = ("video_ids", "action_weights", "timestamps")  # list<int64>, per user
 REQUEST_COLUMNS = ("request_id", "user_id", "time_ms", "start", "end", "num_candidates")  # int64

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from data import schema
 from data.synthetic_features import write_csv, write_user_features, write_video_features
+from data.synthetic_regimes import REGIMES, regime_config
 from data.synthetic_sequence import SequenceWorld, draw_sequential_events
 from data.synthetic_world import (
     DEFAULT_SIGNAL,
@@ -270,11 +271,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="planted signal: item = cluster taste + video quality; user = taste + per-user "
                              "propensity; mixed = all three (default); sequential = a weaker taste + what each "
                              "user clicked lately, so the order of events matters")
+    parser.add_argument("--regime", choices=REGIMES, default=None,
+                        help="a catalogue x tags x signal regime (data/synthetic_regimes.py); replaces --signal")
     parser.add_argument("--ids_as_clusters", action="store_true",
                         help="log each video as its cluster's id: the signal with a perfect video tag")
     parser.add_argument("--no_progress", action="store_true")
     args = parser.parse_args(argv)
-    summary = generate(args.out, scale=args.scale, seed=args.seed, config=signal_config(args.signal),
+    config = regime_config(args.regime) if args.regime else signal_config(args.signal)
+    summary = generate(args.out, scale=args.scale, seed=args.seed, config=config,
                        progress=not args.no_progress, ids_as_clusters=args.ids_as_clusters)
     print(summary.to_json())
     return 0

@@ -88,7 +88,7 @@ def write_video_features(out: Path, rng: np.random.Generator, world: World, conf
     upload_day = (np.datetime64("2022-05-08") - rng.integers(0, 900, n)).astype("datetime64[D]")
     basic = pa.table({
         "video_id": vid,
-        "author_id": rng.integers(0, max(1, n // 5), n),
+        "author_id": video_authors(rng, world, config),
         "video_type": text(["NORMAL", "AD"], [0.97, 0.03]),
         "upload_dt": pa.array(np.datetime_as_string(upload_day), pa.string()),
         "upload_type": text(["ShortImport", "LongImport", "Web", "PictureSet"], [0.7, 0.15, 0.1, 0.05]),
@@ -128,16 +128,27 @@ def write_video_features(out: Path, rng: np.random.Generator, world: World, conf
 
 
 def video_tags(rng: np.random.Generator, world: World, config: SyntheticConfig) -> np.ndarray:
-    """[V] tag cells: category ids, comma-separated, the primary first. Cluster c is category
-    category[c] (ids 1..K in a random order); `config.tag_fidelity` of the videos carry their
-    cluster's as the primary tag, the others a uniformly random one; `config.second_tag_share` list
-    a second, random category after it."""
+    """[V] tag cells: category ids, comma-separated, the primary first. Clusters are grouped
+    `config.clusters_per_tag` at a time into categories (ids 1..C in a random order); `config.tag_fidelity`
+    of the videos carry their cluster's category as the primary tag, the others a uniformly random one;
+    `config.second_tag_share` list a second, random category after it."""
     k = len(world.cluster_share)
-    category = rng.permutation(k) + 1
+    num_categories = -(-k // config.clusters_per_tag)
+    category = (rng.permutation(num_categories) + 1)[rng.permutation(k) % num_categories]
     primary = np.where(rng.random(world.num_videos) < config.tag_fidelity,
-                       category[world.video_cluster], rng.integers(1, k + 1, world.num_videos))
-    second = rng.integers(1, k + 1, world.num_videos)
+                       category[world.video_cluster], rng.integers(1, num_categories + 1, world.num_videos))
+    second = rng.integers(1, num_categories + 1, world.num_videos)
     cells = primary.astype(str).astype(object)
     listed = rng.random(world.num_videos) < config.second_tag_share
     cells[listed] = cells[listed] + "," + second[listed].astype(str).astype(object)
     return cells
+
+
+def video_authors(rng: np.random.Generator, world: World, config: SyntheticConfig) -> np.ndarray:
+    """[V] author ids: each cluster has its own authors (about `config.videos_per_author` videos each),
+    and `config.author_fidelity` of the videos are uploaded by one of their cluster's authors, the rest by
+    any author: creators specialise, not perfectly."""
+    k, n = len(world.cluster_share), world.num_videos
+    per_cluster = max(1, round(n / (k * config.videos_per_author)))
+    own = world.video_cluster * per_cluster + rng.integers(0, per_cluster, n)
+    return np.where(rng.random(n) < config.author_fidelity, own, rng.integers(0, k * per_cluster, n))

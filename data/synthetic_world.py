@@ -73,6 +73,9 @@ class SyntheticConfig:
     standard_rows: int = 11_713_045  # both standard logs, duplicates included
     random_rows: int = 43_028
     num_videos: int = 4_371_900
+    # A catalogue of this many videos at any scale (a "dense" catalogue: each video is seen many times),
+    # instead of num_videos x scale (the real catalogue's long tail: most videos are seen once or twice).
+    catalogue_videos: int | None = None
     # activity
     events_per_user_sigma: float = 0.87  # lognormal: mean/median ~1.46 as in the real logs
     late_joiner_fraction: float = 0.017  # users absent from the early log (983 of 1000 present)
@@ -95,6 +98,13 @@ class SyntheticConfig:
     # labels are noisy, and a taste group need not be one category); some videos list a second tag.
     tag_fidelity: float = 0.8
     second_tag_share: float = 0.3
+    # Coarse tags: one category names this many clusters (a platform's top-level category spans several
+    # taste groups), so a tag narrows a video down to them but not to one.
+    clusters_per_tag: int = 1
+    # Authors: each uploads videos of one cluster for this share of its videos (creators specialise),
+    # the rest of any cluster; a cluster has catalogue / (num_clusters x videos_per_author) authors.
+    author_fidelity: float = 0.8
+    videos_per_author: float = 20.0
     # per-user action logit offset (some users click far more than others): a user-level signal
     user_propensity_std: float = 1.0
     item_quality_std: float = 0.8  # per-video action logit offset: an item-level signal
@@ -149,7 +159,7 @@ class World:
     @classmethod
     def draw(cls, rng: np.random.Generator, scale: float, cfg: SyntheticConfig) -> World:
         num_users = max(2, round(cfg.num_users * scale**0.5))
-        num_videos = max(cfg.num_clusters, round(cfg.num_videos * scale))
+        num_videos = cfg.catalogue_videos or max(cfg.num_clusters, round(cfg.num_videos * scale))
         weight = rng.lognormal(0.0, cfg.events_per_user_sigma, num_users)
         events = cfg.standard_rows * scale / (1 + cfg.duplicate_fraction) * weight / weight.sum()
         events = np.maximum(np.round(events), 4).astype(np.int64)

@@ -20,6 +20,7 @@ import torch
 
 from model.config import HSTUConfig
 from model.recommender import HSTURecommender
+from model.video_side_features import VideoSideFeatures
 from model.video_tags import VideoTagTable
 
 CHECKPOINT_FILE = "model.pt"
@@ -41,6 +42,9 @@ def save_checkpoint(model: HSTURecommender, directory: str | Path, metadata: dic
     """Write the checkpoint atomically (temp file + rename) and return its path."""
     if model.config.num_video_tags and model.video_tags is None:
         raise ValueError("the model embeds video tags but has no VideoTagTable: nothing could serve its checkpoint")
+    if model.config.side_feature_hash_size and model.side_features is None:
+        raise ValueError("the model embeds video side features but has no VideoSideFeatures: nothing could serve "
+                         "its checkpoint")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -51,6 +55,8 @@ def save_checkpoint(model: HSTURecommender, directory: str | Path, metadata: dic
     }
     if model.video_tags is not None:
         payload["video_tags"] = model.video_tags.tensors()
+    if model.side_features is not None:
+        payload["side_features"] = model.side_features.tensors()
     _atomic_write(directory / CHECKPOINT_FILE, lambda f: torch.save(payload, f))
     text = json.dumps({"config": model.config.to_dict(), "metadata": metadata or {}}, indent=2, sort_keys=True)
     _atomic_write(directory / CONFIG_FILE, lambda f: f.write(text.encode()))
@@ -94,6 +100,13 @@ def load_checkpoint(
             model.video_tags = VideoTagTable.from_tensors(payload["video_tags"])
         except ValueError as err:
             raise CheckpointError(f"Checkpoint {path}: its video tag table is unusable: {err}") from err
+    if config.side_feature_hash_size:
+        if "side_features" not in payload:
+            raise CheckpointError(f"Checkpoint {path} embeds video side features but holds no side-feature table")
+        try:
+            model.side_features = VideoSideFeatures.from_tensors(payload["side_features"])
+        except ValueError as err:
+            raise CheckpointError(f"Checkpoint {path}: its video side-feature table is unusable: {err}") from err
     _check_shapes(path, model.state_dict(), payload.get("state_dict"))
     missing, unexpected = model.load_state_dict(payload["state_dict"], strict=False)
     if missing or unexpected:
@@ -121,10 +134,11 @@ def config_differences(actual: HSTUConfig, expected: HSTUConfig) -> str:
 
 
 def model_fingerprint(model: HSTURecommender) -> str:
-    """SHA-256 over config, weights and tag table: K/V computed by one model are never read by another."""
+    """SHA-256 over config, weights and catalogue tables: K/V computed by one model are never read by another."""
     digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
-    if model.video_tags is not None:
-        digest.update(model.video_tags.digest().encode())
+    for table in (model.video_tags, model.side_features):
+        if table is not None:
+            digest.update(table.digest().encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -37,10 +37,16 @@ class HSTUConfig:
     # crops of its last K events is served the same view when this is K (docs/model.md).
     attention_window: int = 0
     dropout: float = 0.0  # used in training only
+    # Training only: the share of event and candidate tokens whose video-id row is left out of the sum, so
+    # that the tag and the context must carry a video too (its id row is only learnt where it repeats).
+    id_dropout: float = 0.0
     # Embeddings (all through one TorchRec EmbeddingCollection)
     video_hash_size: int = 1_000_003  # video ids are hashed (mod a prime) into this many rows
     # Rows of the video-tag embedding (model/video_tags.py: unknown + one per tag); 0 = no tag feature.
     num_video_tags: int = 0
+    # Rows of the author and music embeddings (model/video_side_features.py: ids hashed into them, beside
+    # a duration and an upload-type embedding); 0 = no side features.
+    side_feature_hash_size: int = 0
     num_time_gap_buckets: int = 64
     position_table_size: int = 8192  # token positions are clamped to this table
     user_feature_cardinalities: tuple[int, ...] = ()  # one contextual prefix token per feature
@@ -76,6 +82,8 @@ class HSTUConfig:
             "num_time_gap_buckets must be >= 1": self.num_time_gap_buckets >= 1,
             "video_hash_size must be >= 1": self.video_hash_size >= 1,
             "num_video_tags must be >= 0": self.num_video_tags >= 0,
+            "side_feature_hash_size must be 0 or >= 2": self.side_feature_hash_size in (0, 1) and not self.side_feature_hash_size
+            or self.side_feature_hash_size >= 2,
             "tag_match_bias needs video tags (num_video_tags > 0)": not self.tag_match_bias or self.num_video_tags > 0,
             "user_hash_size must be >= 0": self.user_hash_size >= 0,
             "user_factor_dim must be >= 1": self.user_factor_dim >= 1,
@@ -84,6 +92,7 @@ class HSTUConfig:
             <= MAX_POSITION_BUCKETS,
             f"num_time_buckets must be in [0, {MAX_TIME_BUCKETS}]": 0 <= self.num_time_buckets <= MAX_TIME_BUCKETS,
             "dropout must be in [0, 1)": 0.0 <= self.dropout < 1.0,
+            "id_dropout must be in [0, 1)": 0.0 <= self.id_dropout < 1.0,
             "user feature cardinalities must be >= 1": all(c >= 1 for c in self.user_feature_cardinalities),
         }
         failed = [msg for msg, ok in checks.items() if not ok]

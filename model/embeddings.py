@@ -20,6 +20,7 @@ from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 from model.config import NUM_ACTION_IDS, HSTUConfig
 from model.features import VIDEO_TAG, TokenFeatures, token_feature_names
+from model.video_side_features import side_feature_sizes
 
 # TorchRec calls torch.fx's deprecated is_fx_tracing() on every forward, and torch logs a
 # one-time notice about it that means nothing to users of this model.
@@ -43,6 +44,8 @@ class TokenEmbedder(nn.Module):
         }
         if config.num_video_tags:
             sizes[VIDEO_TAG] = config.num_video_tags
+        if config.side_feature_hash_size:
+            sizes.update(side_feature_sizes(config.side_feature_hash_size))
         self.token_features = token_feature_names(config)
         if config.use_contextual_prefix:
             for j, cardinality in enumerate(config.user_feature_cardinalities):
@@ -85,14 +88,11 @@ class TokenEmbedder(nn.Module):
         """-> [shape.candidate_rows, num_tasks]: each candidate row's video offset (padding rows read row 0)."""
         return self.video_bias(device_inputs["candidate_video_ids"])
 
-    def item_embeddings(self, video_rows: Tensor, tag_rows: Tensor | None = None) -> Tensor:
-        """The item part of a token's embedding: hashed video rows [U] (and their tag rows [U], for a
-        model with tags) -> [U, hidden_dim], the video row plus the tag row."""
+    def item_embeddings(self, rows: Mapping[str, Tensor]) -> Tensor:
+        """The item part of a token's embedding: each item feature's rows [U] (the hashed video id, and the
+        tag and side features of a model with them) -> [U, hidden_dim], their rows summed."""
         tables = self.collection.embeddings
-        items = tables["table_video_id"](video_rows)
-        if tag_rows is not None:
-            items = items + tables[f"table_{VIDEO_TAG}"](tag_rows)
-        return items
+        return sum(tables[f"table_{name}"](feature_rows) for name, feature_rows in rows.items())
 
     def forward(self, device_inputs: Mapping[str, Tensor], features: TokenFeatures) -> Tensor:
         """-> x [shape.num_rows, hidden_dim] float32: token embeddings in the row layout of model/features.py
@@ -108,6 +108,10 @@ class TokenEmbedder(nn.Module):
         )
         embedded = self.collection(kjt)
         tokens = sum(embedded[name].values() for name in self.token_features)  # [N + M, d]
+        if self.training and self.config.id_dropout:
+            ids = embedded["video_id"].values()
+            dropped = torch.rand(ids.shape[0], 1, device=ids.device) < self.config.id_dropout
+            tokens = tokens - ids * dropped
         x = tokens.new_zeros(features.shape.num_rows + 1, tokens.shape[-1])  # + the scratch row
         x = x.index_copy(0, device_inputs["token_rows"], tokens)
         if features.prefix_ids.size:

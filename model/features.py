@@ -4,6 +4,8 @@ the row each token takes in the layer input.
     event token     = E_video[hash(video)] + E_action[action bits] + E_gap[bucket(t_i - t_{i-1})]
                       + E_hour[hour(t_i)] + E_position[layout position]
                       (+ E_tag[tag row of the video] when the model has a tag table: model/video_tags.py)
+                      (+ E_author + E_music + E_duration + E_upload_type of the video, when the model
+                      has side features: model/video_side_features.py)
     candidate token = same, with the action replaced by the learned UNKNOWN_ACTION_ID vector,
                       t_i the request time and t_{i-1} the user's last event
     prefix token j  = E_user_feature_j[value_j]            (the contextual prefix)
@@ -33,6 +35,7 @@ from model.batch_shape import BatchShape
 from model.config import UNKNOWN_ACTION_ID, HSTUConfig
 from model.counter_features import counter_inputs
 from model.token_layout import TokenLayout, TokenSpans
+from model.video_side_features import SIDE_FEATURES, VideoSideFeatures
 from model.video_tags import VideoTagTable
 
 TOKEN_FEATURES = ("video_id", "action", "time_gap", "hour", "position")
@@ -44,7 +47,8 @@ GAP_BUCKETS_PER_OCTAVE = 3  # time-gap buckets are log2-spaced, 3 per doubling o
 
 def token_feature_names(config: HSTUConfig) -> tuple[str, ...]:
     """The features summed into every event and candidate token of a model with this config."""
-    return TOKEN_FEATURES + ((VIDEO_TAG,) if config.num_video_tags else ())
+    return (TOKEN_FEATURES + ((VIDEO_TAG,) if config.num_video_tags else ())
+            + (SIDE_FEATURES if config.side_feature_hash_size else ()))
 
 
 def hour_of_day(timestamps_ms: np.ndarray) -> np.ndarray:
@@ -79,7 +83,7 @@ def exact_shape(batch: VisitBatch, spans: TokenSpans) -> BatchShape:
 
 def token_features(
     config: HSTUConfig, layout: TokenLayout, batch: VisitBatch, spans: TokenSpans, shape: BatchShape | None = None,
-    video_tags: VideoTagTable | None = None,
+    video_tags: VideoTagTable | None = None, side_features: VideoSideFeatures | None = None,
 ) -> TokenFeatures:
     n_cands = len(batch.candidate_video_ids)
     event_rows, event_ranks = row_ids_and_ranks(batch.history_lengths)
@@ -111,6 +115,12 @@ def token_features(
         if video_tags is None:
             raise ValueError("the model embeds video tags (num_video_tags > 0) but has no VideoTagTable")
         ids[VIDEO_TAG] = (video_tags.rows(batch.video_ids), video_tags.rows(batch.candidate_video_ids))
+    if config.side_feature_hash_size:
+        if side_features is None:
+            raise ValueError("the model embeds video side features (side_feature_hash_size > 0) but has no "
+                             "VideoSideFeatures")
+        events, candidates = side_features.rows(batch.video_ids), side_features.rows(batch.candidate_video_ids)
+        ids.update({name: (events[name], candidates[name]) for name in SIDE_FEATURES})
     exact = exact_shape(batch, spans)
     shape = shape or exact
     if not shape.holds(exact):

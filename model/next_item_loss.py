@@ -7,10 +7,10 @@ last layer's output at event i predicts the item of event i + 1 of the same user
 event was clicked:
 
     q_i  = normalize(W h_i)                                   h_i: the last layer's row of event i
-    e_v  = normalize(E_video[v] + E_tag[tag(v)])              the item part of a token's embedding
+    e_v  = normalize(E_video[v] + E_tag[tag(v)] + side rows)  the item part of a token's embedding
     loss = cross_entropy(q_i · e_v / τ over the batch's distinct clicked items, the item of i + 1)
 
-The items scored against are the distinct (video row, tag row) pairs that are targets in the batch,
+The items scored against are the distinct items (their rows of every item feature) that are targets in the batch,
 so a popular item is never its own negative. The projection W belongs to the loss (the trainer's),
 not to the model: nothing of it is saved or served, and serving computes no history outputs in the
 last layer. The candidate logits are the same with or without it (`HSTURecommender.encode`).
@@ -34,10 +34,12 @@ from data.batch import VisitBatch
 from data.jagged import row_ids_and_ranks
 from data.schema import TASKS
 from model.features import VIDEO_TAG, TokenFeatures
+from model.video_side_features import SIDE_FEATURES
 
 if TYPE_CHECKING:
     from model.recommender import HSTURecommender
 
+ITEM_FEATURES = ("video_id", VIDEO_TAG, *SIDE_FEATURES)  # what a token embeds of its video
 CLICK_BIT = 1 << TASKS.index("click")  # task t is bit t of action_weights (data/schema.py)
 # The softmax temperature of the cosine scores: 1/τ = 20 lets a cosine margin of ~0.2 reach the
 # probabilities' full range, where τ = 1 would leave every item near uniform.
@@ -50,8 +52,7 @@ class NextItemTargets:
 
     source_rows: np.ndarray  # [P] row in x of the event that predicts
     target_index: np.ndarray  # [P] index into the distinct items of the clicked event after it
-    item_video_rows: np.ndarray  # [U] video-table row of each distinct item
-    item_tag_rows: np.ndarray | None  # [U] tag-table row of each distinct item (None: the model has no tags)
+    item_rows: dict[str, np.ndarray]  # item feature (video id, tag, side features) -> [U] rows of the distinct items
 
     @property
     def num_pairs(self) -> int:
@@ -65,16 +66,13 @@ class NextItemTargets:
         follows = (users[1:] == users[:-1]) & ((batch.action_weights[1:] & CLICK_BIT) != 0)  # [N - 1]
         source = np.flatnonzero(follows)
         target = source + 1
-        video_rows = features.token_ids["video_id"][:n][target]
-        tags = features.token_ids.get(VIDEO_TAG)
-        tag_rows = tags[:n][target] if tags is not None else np.zeros_like(video_rows)
-        keys = np.stack([video_rows, tag_rows], axis=1)
+        names = [name for name in ITEM_FEATURES if name in features.token_ids]
+        keys = np.stack([features.token_ids[name][:n][target] for name in names], axis=1)  # [P, F]
         items, inverse = np.unique(keys, axis=0, return_inverse=True)
         return cls(
             source_rows=features.token_rows[source],
             target_index=inverse.reshape(-1).astype(np.int64),
-            item_video_rows=items[:, 0].astype(np.int64),
-            item_tag_rows=items[:, 1].astype(np.int64) if tags is not None else None,
+            item_rows={name: items[:, j].astype(np.int64) for j, name in enumerate(names)},
         )
 
 
@@ -89,9 +87,8 @@ class NextItemLoss(nn.Module):
         if targets.num_pairs == 0:
             return states.sum() * 0.0
         device = states.device
-        tag_rows = targets.item_tag_rows
-        items = model.embedder.item_embeddings(torch.from_numpy(targets.item_video_rows).to(device),
-                                               None if tag_rows is None else torch.from_numpy(tag_rows).to(device))
+        items = model.embedder.item_embeddings({name: torch.from_numpy(rows).to(device)
+                                                for name, rows in targets.item_rows.items()})
         sources = states[torch.from_numpy(targets.source_rows).to(device)]  # [P, d]
         queries = F.normalize(self.projection(sources), dim=-1)
         scores = queries @ F.normalize(items, dim=-1).T / TEMPERATURE  # [P, U]

@@ -30,6 +30,7 @@ from model.kv_store import FullRecompute, KVStore
 from model.staging import DeviceArrays, DeviceStaging
 from model.token_layout import TokenLayout, TokenSpans
 from model.user_taste import UserTaste
+from model.video_side_features import VideoSideFeatures
 from model.video_tags import VideoTagTable
 
 
@@ -53,15 +54,19 @@ class ModelInputs:
 
 class HSTURecommender(nn.Module):
     def __init__(self, config: HSTUConfig, device: torch.device | str | None = None,
-                 video_tags: VideoTagTable | None = None):
-        """`video_tags`: the catalogue snapshot a model with `config.num_video_tags` reads its tokens'
-        tags from (model/video_tags.py); it can also be set later, before the first batch."""
+                 video_tags: VideoTagTable | None = None, side_features: VideoSideFeatures | None = None):
+        """`video_tags` and `side_features`: the catalogue snapshots a model with `config.num_video_tags`
+        and `config.side_feature_hash_size` reads its tokens' tags and side features from
+        (model/video_tags.py, model/video_side_features.py); they can also be set later, before the first batch."""
         super().__init__()
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.config = config
         self._video_tags: VideoTagTable | None = None
+        self._side_features: VideoSideFeatures | None = None
         if video_tags is not None:
             self.video_tags = video_tags
+        if side_features is not None:
+            self.side_features = side_features
         self.layout = TokenLayout(config)
         self.embedder = TokenEmbedder(config, device=device)
         self.layers = nn.ModuleList(HSTULayer(config, i) for i in range(config.num_layers))
@@ -94,6 +99,17 @@ class HSTURecommender(nn.Module):
         self._video_tags = table
 
     @property
+    def side_features(self) -> VideoSideFeatures | None:
+        return self._side_features
+
+    @side_features.setter
+    def side_features(self, table: VideoSideFeatures) -> None:
+        if table.hash_rows != self.config.side_feature_hash_size:
+            raise ValueError(f"the side-feature table hashes into {table.hash_rows} rows, the model's "
+                             f"side_feature_hash_size is {self.config.side_feature_hash_size}")
+        self._side_features = table
+
+    @property
     def device(self) -> torch.device:
         return self.output_norm.weight.device
 
@@ -124,7 +140,7 @@ class HSTURecommender(nn.Module):
         if bucketed and shape is None:
             exact = exact_shape(batch, spans)
             shape = BatchShape.bucket(exact.users, exact.history_rows, exact.candidate_rows)
-        features = token_features(self.config, self.layout, batch, spans, shape, self._video_tags)
+        features = token_features(self.config, self.layout, batch, spans, shape, self._video_tags, self._side_features)
         plan = self._plan_attention(spans, batch, kv, features.shape, bucketed=shape is not None)
         arrays = {**self.embedder.host_inputs(features), **attention.host_inputs(plan), **kv.host_inputs(features.shape),
                   "query_stamps": features.query_stamps}

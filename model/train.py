@@ -48,20 +48,24 @@ log = logging.getLogger(__name__)
 TRAINING_ATTENTION = BlockedAttention(query_block=128, key_block=128)
 # Marks the optimiser groups of the candidate-only terms (TrainParams.candidate_terms_delay_epochs).
 CANDIDATE_TERM = "candidate_term"
+VIDEO_ID_TABLE = "table_video_id"
 
 
 def _optimizers(model: HSTURecommender, params: TrainParams, extra: nn.Module | None = None,
                 ) -> tuple[list[torch.optim.Optimizer], list[nn.Parameter]]:
     """SparseAdam for the embedding tables (a step costs the rows a batch touches, and a rare
-    video's row moves at the full rate whenever it is seen), AdamW for the dense layers and for
+    video's row moves at the full rate whenever it is seen; the video-id rows at their own rate), AdamW for
+    the dense layers and for
     `extra`'s parameters (a training-only loss module) at the layers' rate, and for the relative
     bias tables at `params.bias_learning_rate` when set (a table entry is one scalar offset: at the
     layers' rate it would stay where its prior put it)."""
-    token_tables = list(model.embedder.collection.embeddings.values())
+    tables = model.embedder.collection.embeddings
+    token_tables = [table for name, table in tables.items() if name != VIDEO_ID_TABLE]
     taste_tables = model.user_taste.tables() if model.user_taste is not None else []
     for table in _sparse_tables(model):
         table.sparse = True
     groups = [{"params": [t.weight for t in token_tables], "lr": params.embedding_learning_rate},
+              {"params": [tables[VIDEO_ID_TABLE].weight], "lr": params.id_learning_rate},
               {"params": [model.embedder.video_bias.weight], "lr": params.video_bias_learning_rate,
                CANDIDATE_TERM: True}]
     if taste_tables:
@@ -106,7 +110,7 @@ def _row_penalty(model: HSTURecommender, inputs: ModelInputs, params: TrainParam
     penalty = 0.0
     if params.video_l2:
         ids = torch.from_numpy(inputs.features.token_ids["video_id"]).to(model.device)
-        tokens = model.embedder.collection.embeddings["table_video_id"](ids)  # [N + M, d]
+        tokens = model.embedder.collection.embeddings[VIDEO_ID_TABLE](ids)  # [N + M, d]
         bias = model.embedder.candidate_bias(inputs.device_inputs)  # [M, num_tasks]
         penalty = penalty + params.video_l2 * (tokens.pow(2).sum(-1).mean() + bias.pow(2).sum(-1).mean())
     if params.taste_l2 and model.user_taste is not None:

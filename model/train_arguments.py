@@ -21,29 +21,40 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _float_or_none(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The options that shape a fresh model (TrainParams.position_table_size, .video_hash_size,
-    .user_hash_size, .video_tags, .attention_window, .tag_embedding_std, .tied_query_key_init,
-    .tag_match_bias, .tag_match_prior), for every
-    script that trains."""
-    p.add_argument("--position_table_size", type=int, default=TrainParams.position_table_size,
-                   help="absolute position rows of a fresh model (default: the preset's; 1 = no absolute positions)")
-    p.add_argument("--video_hash_size", type=int, default=None, help="video id rows of a fresh model (default: the preset's)")
-    p.add_argument("--user_hash_size", type=int, default=None,
-                   help="user id rows of the user-taste term of a fresh model (default: the preset's; 0 = no term)")
-    p.add_argument("--attention_window", type=_non_negative_int, default=None,
+    """The options that shape a fresh model (TrainParams' model fields), for every script that trains;
+    their defaults are TrainParams'."""
+    d = TrainParams()
+    p.add_argument("--position_table_size", type=int, default=d.position_table_size,
+                   help="absolute position rows of a fresh model (1 = no absolute positions)")
+    p.add_argument("--video_hash_size", type=int, default=d.video_hash_size,
+                   help="video id rows of a fresh model (default: the preset's; 1 = no per-video rows)")
+    p.add_argument("--user_hash_size", type=int, default=d.user_hash_size,
+                   help="user id rows of the user-taste term of a fresh model (0 = no term)")
+    p.add_argument("--attention_window", type=_non_negative_int, default=d.attention_window,
                    help="each query attends to its last N events and the prefix (default: the training crop, "
                         "--max_history_events; 0 = the whole window); a checkpoint loaded without training "
                         "is served through it instead of its own")
-    p.add_argument("--video_tags", action=argparse.BooleanOptionalAction, default=False,
-                   help="embed each token's video tag (the dataset's video_tags.parquet)")
-    p.add_argument("--tag_embedding_std", type=float, default=None,
-                   help="draw a fresh model's tag table at this std (default: 0.02, as every table; needs --video_tags)")
-    p.add_argument("--tied_query_key_init", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--video_tags", action=argparse.BooleanOptionalAction, default=d.video_tags,
+                   help="embed each token's video tag (the dataset's video_tags.parquet; default: where it has one)")
+    p.add_argument("--side_feature_hash_size", type=int, default=d.side_feature_hash_size,
+                   help="rows the video authors and music ids hash into, where the dataset has side features "
+                        "(0: no side features)")
+    p.add_argument("--id_dropout", type=float, default=d.id_dropout,
+                   help="the share of tokens whose video-id row is left out while training")
+    p.add_argument("--tag_embedding_std", type=_float_or_none, default=d.tag_embedding_std,
+                   help="draw a fresh model's tag table at this std ('none': 0.02, as every table)")
+    p.add_argument("--id_embedding_std", type=_float_or_none, default=d.id_embedding_std,
+                   help="draw a fresh model's video-id table at this std ('none': 0.02, as every table)")
+    p.add_argument("--tied_query_key_init", action=argparse.BooleanOptionalAction, default=d.tied_query_key_init,
                    help="start each layer's key projection as a copy of its query projection")
-    p.add_argument("--tag_match_bias", action=argparse.BooleanOptionalAction, default=False,
-                   help="a learned attention offset per head where a key's video tag is the query's (needs --video_tags)")
-    p.add_argument("--tag_match_prior", type=float, default=None,
+    p.add_argument("--tag_match_bias", action=argparse.BooleanOptionalAction, default=d.tag_match_bias,
+                   help="a learned attention offset per head where a key's video tag is the query's (with tags)")
+    p.add_argument("--tag_match_prior", type=float, default=d.tag_match_prior,
                    help="the tag-match offset a fresh model's heads start from (default: relative_bias.TAG_MATCH_PRIOR)")
 
 
@@ -63,6 +74,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dropout", type=float, default=d.dropout, help="dropout of the layers while training")
     p.add_argument("--learning_rate", type=float, default=d.learning_rate)
     p.add_argument("--embedding_learning_rate", type=float, default=d.embedding_learning_rate)
+    p.add_argument("--id_learning_rate", type=float, default=d.id_learning_rate, help="the video-id rows' rate")
     p.add_argument("--video_bias_learning_rate", type=float, default=d.video_bias_learning_rate)
     p.add_argument("--taste_learning_rate", type=float, default=d.taste_learning_rate)
     p.add_argument("--taste_l2", type=float, default=d.taste_l2, help="L2 on the user-taste rows a batch reads")

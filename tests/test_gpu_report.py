@@ -26,7 +26,7 @@ def test_the_gpu_plan_measures_the_target_shapes_within_the_budget(tmp_path):
         assert part in block, part
     replay = " ".join(steps["end2end"].commands[-1])
     assert "--dtype bfloat16" in replay and "--device cuda" in replay and "--no_compare" not in replay
-    assert "--recipe sequence" in replay  # the shipped model's kernel variants: tag match, a 512-event window
+    assert "--recipe default" in replay  # the shipped model's kernel variants: tag match, a 512-event window
     assert not any("--collect-only" in command for command in steps["tests"].commands)
     launches = " ".join(steps["launches"].commands[0])
     assert "--device cuda" in launches and "--dtype bfloat16" in launches and "--history 4096" in launches

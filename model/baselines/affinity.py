@@ -21,7 +21,7 @@ import numpy as np
 
 from data.jagged import sorted_lookup
 from data.schema import action_labels
-from model.baselines.base import PADDING, Visits, VisitScorer, check_level, items_at, require_labels
+from model.baselines.base import COUNTED_LEVELS, PADDING, Visits, VisitScorer, check_level, items_at, require_labels
 
 
 def logistic_fit(design: np.ndarray, labels: np.ndarray, l2: float = 1e-4, steps: int = 30) -> np.ndarray:
@@ -45,7 +45,7 @@ class AffinityRegression(VisitScorer):
     name = "affinity regression"
 
     def __init__(self, last_events: int = 50, level: str = "video", item_prior: float = 10.0):
-        check_level(level)
+        check_level(level, COUNTED_LEVELS)
         if last_events < 1:
             raise ValueError(f"last_events must be >= 1, got {last_events}")
         if not item_prior > 0:

@@ -121,12 +121,17 @@ class Visits:
                       None if self.labels is None else self.labels[flat], self.video_tags)
 
 
-LEVELS = ("video", "tag")  # what a sequential baseline counts or embeds: each video, or its tag
+BOTH = "both"
+# What a sequential baseline counts or embeds: each video, its tag, or (SASRec) the id and the tag together.
+LEVELS = ("video", "tag", BOTH)
 
 
-def check_level(level: str) -> None:
-    if level not in LEVELS:
-        raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
+COUNTED_LEVELS = ("video", "tag")  # what a counting baseline can count: an item is one id
+
+
+def check_level(level: str, allowed: tuple[str, ...] = LEVELS) -> None:
+    if level not in allowed:
+        raise ValueError(f"level must be one of {', '.join(map(repr, allowed))}, got {level!r}")
 
 
 def items_at(level: str, video_tags: VideoTagTable | None, video_ids: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from data.jagged import sorted_lookup
-from model.baselines.base import PADDING, Visits, VisitScorer, check_level, items_at, require_labels
+from model.baselines.base import COUNTED_LEVELS, PADDING, Visits, VisitScorer, check_level, items_at, require_labels
 
 KEY_STRIDE = 1 << 31  # a (source, candidate) pair is the int64 key source x stride + candidate
 
@@ -28,7 +28,7 @@ class LastItemsMarkov(VisitScorer):
     name = "last-items Markov"
 
     def __init__(self, last_events: int = 5, shrinkage: float = 5.0, prior: float = 10.0, level: str = "video"):
-        check_level(level)
+        check_level(level, COUNTED_LEVELS)
         if last_events < 1:
             raise ValueError(f"last_events must be >= 1, got {last_events}")
         if not (shrinkage > 0 and prior > 0):

@@ -10,7 +10,8 @@ mini-batches of visits, keeping the epoch with the best holdout click AUC.
 
 Video ids the fit never saw (in a history or as a candidate) share one "unknown" embedding.
 `level="tag"` embeds each event's and candidate's video tag instead of its id (the visits'
-`video_tags`): a kind of video recurs across users where an id, seen a few times, is memorised.
+`video_tags`): a kind of video recurs across users where an id, seen a few times, is memorised;
+`level="both"` adds the tag's row to the id's, so ids that repeat and tags that generalise both count.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch import nn
 
 from data.jagged import sorted_lookup
 from data.schema import NUM_TASKS, action_labels
-from model.baselines.base import PADDING, Visits, VisitScorer, check_level, items_at, require_labels
+from model.baselines.base import BOTH, PADDING, Visits, VisitScorer, check_level, items_at, require_labels
 from model.evaluation import EarlyStopping
 from model.metrics import auc, selection_score
 
@@ -51,21 +52,31 @@ class _Block(nn.Module):
 
 
 class _SASRecNet(nn.Module):
-    def __init__(self, num_rows: int, history_events: int, dim: int, blocks: int, heads: int, dropout: float):
+    def __init__(self, num_rows: int, history_events: int, dim: int, blocks: int, heads: int, dropout: float,
+                 num_tag_rows: int = 0):
         super().__init__()
         self.video = nn.Embedding(num_rows, dim, padding_idx=PAD_ROW)
+        # Level "both": each item's tag row is added to its id row.
+        self.tag = nn.Embedding(num_tag_rows, dim, padding_idx=PAD_ROW) if num_tag_rows else None
         self.action = nn.Linear(NUM_TASKS, dim)
         self.position = nn.Parameter(torch.randn(history_events, dim) * 0.02)
         self.blocks = nn.ModuleList(_Block(dim, heads, dropout) for _ in range(blocks))
         self.norm, self.drop = nn.LayerNorm(dim), nn.Dropout(dropout)
         self.head = nn.Sequential(nn.Linear(3 * dim, dim), nn.GELU(), nn.Linear(dim, NUM_TASKS))
-        nn.init.normal_(self.video.weight, std=0.02)
+        for table in (self.video, self.tag):
+            if table is not None:
+                nn.init.normal_(table.weight, std=0.02)
+
+    def embed(self, rows: torch.Tensor, tag_rows: torch.Tensor | None) -> torch.Tensor:
+        items = self.video(rows)
+        return items if self.tag is None else items + self.tag(tag_rows)
 
     def forward(self, history: torch.Tensor, actions: torch.Tensor, candidates: torch.Tensor,
-                candidate_visit: torch.Tensor) -> torch.Tensor:
+                candidate_visit: torch.Tensor, history_tags: torch.Tensor | None = None,
+                candidate_tags: torch.Tensor | None = None) -> torch.Tensor:
         """history [B, L] rows (PAD_ROW before the first event), actions [B, L, T] bits,
-        candidates [M] rows, candidate_visit [M] -> [M, T] logits."""
-        x = self.drop(self.video(history) + self.action(actions) + self.position)  # [B, L, d]
+        candidates [M] rows, candidate_visit [M] (and the tag rows of both, level "both") -> [M, T] logits."""
+        x = self.drop(self.embed(history, history_tags) + self.action(actions) + self.position)  # [B, L, d]
         length = history.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool).tril()
         # Padding is never attended to, except by itself: a query with no key would make NaNs.
@@ -74,7 +85,7 @@ class _SASRecNet(nn.Module):
         for block in self.blocks:
             x = block(x, allowed)
         state = self.norm(x[:, -1])[candidate_visit]  # [M, d] the latest event's state (left-padded)
-        video = self.video(candidates)
+        video = self.embed(candidates, candidate_tags)
         return self.head(torch.cat([state, video, state * video], dim=-1))
 
 
@@ -113,10 +124,10 @@ class SASRec(VisitScorer):
         torch.manual_seed(self.seed)
         rng = np.random.default_rng(self.seed)
         self.video_tags = train.video_tags  # a fit over tags reads the training visits' table for every visit
-        seen = np.concatenate([self._items(train.history_videos.ravel()), self._items(train.candidate_videos)])
-        self.vocabulary = np.unique(seen[seen != PADDING])
+        self.vocabulary = self._vocabulary(train, self.level)
+        self.tag_vocabulary = self._vocabulary(train, "tag") if self.level == BOTH else None
         self.net = _SASRecNet(len(self.vocabulary) + 2, self.history_events, self.dim, self.blocks, self.heads,
-                              self.dropout)
+                              self.dropout, 0 if self.tag_vocabulary is None else len(self.tag_vocabulary) + 2)
         optimizer = torch.optim.AdamW(self.net.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
         stopping = EarlyStopping(self.patience)  # the trainer's: keeps the best epoch's parameters
         self.holdout_scores: list[tuple[int, float]] = []
@@ -159,17 +170,29 @@ class SASRec(VisitScorer):
                              "history events (build them with a longer history)")
         videos = visits.history_videos[:, -self.history_events:]
         actions = action_labels(visits.history_actions[:, -self.history_events:].ravel())
+        tags = None, None
+        if self.tag_vocabulary is not None:
+            tags = tuple(torch.from_numpy(self._rows(self._items(ids, "tag"), self.tag_vocabulary))
+                         for ids in (videos, visits.candidate_videos))
         return self.net(torch.from_numpy(self._rows(self._items(videos))),
                         torch.from_numpy(actions.reshape(*videos.shape, NUM_TASKS)),
                         torch.from_numpy(self._rows(self._items(visits.candidate_videos))),
-                        torch.from_numpy(visits.candidate_visit()))
+                        torch.from_numpy(visits.candidate_visit()), *tags)
 
-    def _items(self, video_ids: np.ndarray) -> np.ndarray:
-        """What is embedded: the videos, or their tags (PADDING kept)."""
-        return items_at(self.level, self.video_tags, video_ids)
+    def _vocabulary(self, train: Visits, level: str) -> np.ndarray:
+        seen = np.concatenate([self._items(train.history_videos.ravel(), level),
+                               self._items(train.candidate_videos, level)])
+        return np.unique(seen[seen != PADDING])
 
-    def _rows(self, items: np.ndarray) -> np.ndarray:
+    def _items(self, video_ids: np.ndarray, level: str | None = None) -> np.ndarray:
+        """What is embedded: the videos, or their tags (PADDING kept); level "both" embeds the videos' ids
+        in the main table and their tags in a second."""
+        level = level or self.level
+        return items_at("video" if level == BOTH else level, self.video_tags, video_ids)
+
+    def _rows(self, items: np.ndarray, vocabulary: np.ndarray | None = None) -> np.ndarray:
         """Embedding rows: PAD_ROW for padding, UNKNOWN_ROW for an item the fit never saw."""
-        row, known = sorted_lookup(self.vocabulary, items.ravel())
+        vocabulary = self.vocabulary if vocabulary is None else vocabulary
+        row, known = sorted_lookup(vocabulary, items.ravel())
         rows = np.where(known, row + 2, UNKNOWN_ROW)
         return np.where(items.ravel() == PADDING, PAD_ROW, rows).reshape(items.shape)

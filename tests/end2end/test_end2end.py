@@ -88,41 +88,43 @@ def test_random_init_warns_and_no_compare_skips_the_full_pass(pipeline, tmp_path
 
 
 def test_a_recipe_shapes_the_random_model_as_training_starts_it(pipeline, tmp_path):
-    """`--recipe sequence` without a checkpoint serves what `model.train --recipe sequence` starts from:
-    tags, the tag-match term at its prior, the recipe's window; and the cache stays exact for it."""
+    """`--recipe default` without a checkpoint serves what `model.train` starts from: ids, tags and side
+    features, the tag-match term at its prior, the crop's window; and the cache stays exact for it."""
     from model.attention.relative_bias import TAG_MATCH_PRIOR
-    from model.train_params import RECIPES
+    from model.train_params import TrainParams
 
     out = tmp_path / "result.json"
-    assert run_example(["--data_dir", str(pipeline / "processed"), "--preset", "tiny", "--recipe", "sequence",
+    assert run_example(["--data_dir", str(pipeline / "processed"), "--preset", "tiny", "--recipe", "default",
                         "--max_requests", "24", "--batch_size", "4", "--no_cost_probe", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     model = result["model"]
     assert model["tag_match_bias"] is True and model["num_video_tags"] > 1
-    assert model["attention_window"] == RECIPES["sequence"]["max_history_events"]
-    assert model["video_hash_size"] == RECIPES["sequence"]["video_hash_size"]
+    assert model["side_feature_hash_size"] == TrainParams().side_feature_hash_size
+    assert model["attention_window"] == TrainParams().max_history_events
+    assert model["video_hash_size"] > 1
     assert result["parity"] == "pass" and result["max_abs_logit_diff"] <= 1e-4
     assert 0.0 <= result["window_tokens_never_read_again"] < 1.0
     example = load_example()
     args = example.parse_args(example.build_parser(""), ["--data_dir", str(pipeline / "processed"), "--preset", "tiny",
-                                                       "--recipe", "sequence", "--attention_window", "16"])
+                                                       "--recipe", "default", "--attention_window", "16"])
     served = example.load_model(args, InferenceDataset(pipeline / "processed"))
     assert served.config.attention_window == 16  # --attention_window still wins
     assert all(torch.all(layer.relative_bias.tag_match.detach() == TAG_MATCH_PRIOR) for layer in served.layers)
 
 
-def test_a_recipe_that_needs_tags_names_itself_on_data_without_them(pipeline, tmp_path, capsys):
+def test_the_default_recipe_reads_what_the_data_has(pipeline, tmp_path):
+    """On data without video features, the default model has neither tags nor side features, and is served."""
     import shutil
 
-    untagged = tmp_path / "processed"
-    shutil.copytree(pipeline / "processed", untagged)
-    (untagged / "video_tags.parquet").unlink()
-    code = run_example(["--data_dir", str(untagged), "--preset", "tiny", "--recipe", "sequence",
-                        "--output", str(tmp_path / "r.json")])
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "--recipe:" in err and "has no video tags" in err
-    assert not (tmp_path / "r.json").exists()
+    bare = tmp_path / "processed"
+    shutil.copytree(pipeline / "processed", bare)
+    (bare / "video_tags.parquet").unlink()
+    (bare / "video_side_features.parquet").unlink()
+    out = tmp_path / "r.json"
+    assert run_example(["--data_dir", str(bare), "--preset", "tiny", "--recipe", "default", "--max_requests", "8",
+                        "--batch_size", "4", "--no_cost_probe", "--output", str(out)]) == 0
+    model = json.loads(out.read_text())["model"]
+    assert model["num_video_tags"] == 0 and model["side_feature_hash_size"] == 0 and not model["tag_match_bias"]
 
 
 def test_missing_checkpoint_is_refused(pipeline, tmp_path, capsys):

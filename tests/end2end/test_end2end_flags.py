@@ -84,7 +84,7 @@ PARSE_REFUSALS = {
     "redis_url without redis tier": (["--redis_url", "redis://127.0.0.1:1/0"], ["--redis_url is only used with"]),
     "tier_capacity without a tier": (["--tier_capacity", "1000"], ["--tier_capacity is only used with"]),
     "preset with checkpoint": (["--checkpoint", "{tmp}", "--preset", "tiny"], ["--preset is only used without"]),
-    "recipe with checkpoint": (["--checkpoint", "{tmp}", "--recipe", "sequence"], ["--recipe is only used without"]),
+    "recipe with checkpoint": (["--checkpoint", "{tmp}", "--recipe", "default"], ["--recipe is only used without"]),
     "unknown recipe": (["--recipe", "fast"], ["argument --recipe: invalid choice: 'fast'"]),
     "unknown preset": (["--preset", "huge"], ["argument --preset", "invalid choice: 'huge'"]),
     "tolerance negative": (["--tolerance", "-1"], ["argument --tolerance", "finite number >= 0"]),

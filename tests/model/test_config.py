@@ -78,14 +78,17 @@ def test_recipe_options_reach_the_train_params():
     import argparse
 
     from model.train_arguments import add_recipe_arguments, recipe_params
+    from model.train_params import TrainParams
 
     p = argparse.ArgumentParser()
     add_recipe_arguments(p)
     params = recipe_params(p.parse_args(["--attention_window", "64", "--learning_rate", "3e-4", "--video_tags",
-                                         "--tag_embedding_std", "0.5", "--tied_query_key_init"]), seed=5)
+                                         "--tag_embedding_std", "0.7", "--no-tied_query_key_init",
+                                         "--id_embedding_std", "none", "--id_dropout", "0.3"]), seed=5)
     assert (params.attention_window, params.learning_rate, params.video_tags, params.seed) == (64, 3e-4, True, 5)
-    assert (params.tag_embedding_std, params.tied_query_key_init) == (0.5, True)
-    assert recipe_params(p.parse_args([])).tied_query_key_init is False
+    assert (params.tag_embedding_std, params.tied_query_key_init, params.id_embedding_std) == (0.7, False, None)
+    assert params.id_dropout == 0.3
+    assert recipe_params(p.parse_args([])) == TrainParams()
 
 
 def test_a_named_recipe_sets_the_defaults_and_explicit_options_win():
@@ -103,14 +106,14 @@ def test_a_named_recipe_sets_the_defaults_and_explicit_options_win():
         add_recipe_arguments(p)
         return recipe_params(parse_recipe_arguments(p, list(argv)))
 
-    sequence = params("--recipe", "sequence")
-    assert {name: getattr(sequence, name) for name in RECIPES["sequence"]} == RECIPES["sequence"]
-    overridden = params("--recipe", "sequence", "--learning_rate", "1e-3")
-    assert overridden.learning_rate == 1e-3 and overridden.history_targets == RECIPES["sequence"]["history_targets"]
+    no_ids = params("--recipe", "no-ids")
+    assert {name: getattr(no_ids, name) for name in RECIPES["no-ids"]} == RECIPES["no-ids"]
+    overridden = params("--recipe", "no-ids", "--video_hash_size", "7")
+    assert overridden.video_hash_size == 7 and overridden.id_dropout == RECIPES["no-ids"]["id_dropout"]
     assert params() == TrainParams() == params("--recipe", "default")
-    # A recipe's switches turn off from the command line too (what reproduces its runs without one).
-    without = params("--recipe", "sequence", "--no-tag_match_bias", "--no-tied_query_key_init")
-    assert not without.tag_match_bias and not without.tied_query_key_init and without.video_tags
+    # The default's switches turn off from the command line.
+    without = params("--no-tag_match_bias", "--no-tied_query_key_init", "--no-video_tags")
+    assert not without.tag_match_bias and not without.tied_query_key_init and without.video_tags is False
 
 
 def test_the_benchmarks_refuse_bad_interval_and_baseline_options(tmp_path, capsys):

@@ -51,10 +51,10 @@ def test_pairs_are_each_event_and_the_clicked_event_after_it_within_one_user():
                 expected_items.append((video % model.config.video_hash_size, int(table.rows(np.array([video]))[0])))
         row += len(history.video_ids)
     np.testing.assert_array_equal(targets.source_rows, expected_sources)
-    items = list(zip(targets.item_video_rows[targets.target_index].tolist(),
-                     targets.item_tag_rows[targets.target_index].tolist()))
+    video_rows, tag_rows = targets.item_rows["video_id"], targets.item_rows["video_tag"]
+    items = list(zip(video_rows[targets.target_index].tolist(), tag_rows[targets.target_index].tolist()))
     assert items == expected_items
-    assert len(set(zip(targets.item_video_rows.tolist(), targets.item_tag_rows.tolist()))) == targets.item_video_rows.size
+    assert len(set(zip(video_rows.tolist(), tag_rows.tolist()))) == video_rows.size
 
 
 def test_no_pairs_without_clicks():
@@ -65,7 +65,7 @@ def test_no_pairs_without_clicks():
     batch = replace(batch, action_weights=batch.action_weights & ~1)
     inputs = model.prepare_inputs(batch)
     targets = NextItemTargets.of(batch, inputs.features)
-    assert targets.num_pairs == 0 and targets.item_tag_rows is None
+    assert targets.num_pairs == 0 and "video_tag" not in targets.item_rows
     states = model.encode(inputs, history_rows=True)
     loss = NextItemLoss(config.hidden_dim)(model, states, targets)
     assert loss.item() == 0.0 and loss.requires_grad
@@ -96,13 +96,13 @@ def test_the_loss_trains_the_layers_through_the_history():
     targets = NextItemTargets.of(batch, inputs.features)
     assert targets.num_pairs > 10
     loss = NextItemLoss(model.config.hidden_dim)(model, model.encode(inputs, history_rows=True), targets)
-    assert 0 < loss.item() < 2 * np.log(targets.item_video_rows.size) + 1
+    assert 0 < loss.item() < 2 * np.log(targets.item_rows["video_id"].size) + 1
     loss.backward()
     assert model.layers[0].uvqk.weight.grad.abs().sum() > 0
     assert model.head[0].weight.grad is None  # the ranking head is not on its path
     video_grad = model.embedder.collection.embeddings["table_video_id"].weight.grad
     touched = video_grad.abs().sum(-1).nonzero().reshape(-1)
-    assert set(targets.item_video_rows.tolist()) <= set(touched.tolist())
+    assert set(targets.item_rows["video_id"].tolist()) <= set(touched.tolist())
 
 
 @pytest.fixture(scope="module")
