@@ -82,8 +82,7 @@ class HSTUConfig:
             "num_time_gap_buckets must be >= 1": self.num_time_gap_buckets >= 1,
             "video_hash_size must be >= 1": self.video_hash_size >= 1,
             "num_video_tags must be >= 0": self.num_video_tags >= 0,
-            "side_feature_hash_size must be 0 or >= 2": self.side_feature_hash_size in (0, 1) and not self.side_feature_hash_size
-            or self.side_feature_hash_size >= 2,
+            "side_feature_hash_size must be 0 or >= 2": self.side_feature_hash_size == 0 or self.side_feature_hash_size >= 2,
             "tag_match_bias needs video tags (num_video_tags > 0)": not self.tag_match_bias or self.num_video_tags > 0,
             "user_hash_size must be >= 0": self.user_hash_size >= 0,
             "user_factor_dim must be >= 1": self.user_factor_dim >= 1,
