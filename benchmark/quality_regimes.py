@@ -62,7 +62,7 @@ def run_regime(regime: str, seed: int, args: argparse.Namespace) -> dict:
     ]
     for output, command in steps:
         if not output.exists():
-            _run(command, home / f"{Path(command[0]).stem.lstrip('-')}{'_' + command[1] if command[0] == '-m' else ''}.log")
+            _run(command, home / f"{output.stem}.log")
     return summarise(regime, seed, home)
 
 
@@ -116,7 +116,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="one folder per regime and seed, and the summary")
     p.add_argument("--regimes", nargs="+", choices=REGIMES, default=list(REGIMES))
@@ -124,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=0.008, help="data.synthetic --scale (0.008: ~100k events)")
     p.add_argument("--max_train_seconds", type=float, default=600.0)
     p.add_argument("--baselines", nargs="+", default=None, help="quality_benchmark.py --baselines (default: all)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     rows = []
     for regime, seed in tqdm([(r, s) for r in args.regimes for s in args.seeds], desc="regimes", file=sys.stderr):
         rows.append(run_regime(regime, seed, args))

@@ -203,7 +203,8 @@ def test_the_tag_matching_start_ties_keys_to_queries_and_widens_the_tag_table(da
     from model.fresh_model import initialise
     from model.video_tags import VideoTagTable
 
-    params = TrainParams(preset="tiny", video_tags=True, tag_embedding_std=0.5, tied_query_key_init=True)
+    params = TrainParams(preset="tiny", video_tags=True, tag_embedding_std=0.5, tied_query_key_init=True,
+                         id_embedding_std=None)
     tags = VideoTagTable.from_dataset_dir(dataset.root)
     config = config_for_dataset("tiny", dataset).replace(num_video_tags=tags.num_rows)
     torch.manual_seed(0)
@@ -222,8 +223,14 @@ def test_the_tag_matching_start_ties_keys_to_queries_and_widens_the_tag_table(da
 
     plain = HSTURecommender(config, video_tags=tags)
     plain_state = {name: t.detach().clone() for name, t in plain.state_dict().items()}
-    initialise(plain, TrainParams(preset="tiny"))  # neither option: the model as built
+    initialise(plain, TrainParams(preset="tiny", tag_embedding_std=None, id_embedding_std=None,
+                                  tied_query_key_init=False))  # no option: the model as built
     assert all(torch.equal(plain_state[n], plain.state_dict()[n]) for n in plain_state)
+    initialise(plain, TrainParams(preset="tiny", tag_embedding_std=None, id_embedding_std=0.5,
+                                  tied_query_key_init=False))  # the id table alone is drawn wide
+    ids = "embedder.collection.embeddings.table_video_id.weight"
+    assert 0.4 < plain.state_dict()[ids].std() < 0.6
+    assert all(torch.equal(plain_state[n], plain.state_dict()[n]) for n in plain_state if n != ids)
 
     seen = []
     monkeypatch.setattr("model.fresh_model.initialise", lambda m, p: seen.append(p))
@@ -231,11 +238,12 @@ def test_the_tag_matching_start_ties_keys_to_queries_and_widens_the_tag_table(da
     assert seen and seen[0].tied_query_key_init
 
 
-def test_a_tag_table_std_needs_tags_and_a_positive_value():
-    with pytest.raises(ValueError, match=r"tag_embedding_std must be > 0 and needs video_tags, got 0\.5 with video_tags=False"):
-        TrainParams(tag_embedding_std=0.5)
-    with pytest.raises(ValueError, match=r"got 0\.0 with video_tags=True"):
-        TrainParams(tag_embedding_std=0.0, video_tags=True)
+def test_table_stds_must_be_positive():
+    for name in ("tag_embedding_std", "id_embedding_std"):
+        with pytest.raises(ValueError, match=rf"{name} must be > 0 \(or None: the tables' default\), got 0\.0"):
+            TrainParams(**{name: 0.0})
+    with pytest.raises(ValueError, match=r"id_dropout must be in \[0, 1\), got 1\.0"):
+        TrainParams(id_dropout=1.0)
 
 
 def test_the_tag_match_bias_trains_and_survives_its_checkpoint(dataset, tmp_path):
@@ -255,10 +263,8 @@ def test_the_tag_match_bias_trains_and_survives_its_checkpoint(dataset, tmp_path
     _, holdout = split_requests(dataset, params)
     torch.testing.assert_close(score_requests(loaded, dataset, holdout, 8, progress=False).logits,
                                score_requests(model, dataset, holdout, 8, progress=False).logits)
-    with pytest.raises(ValueError, match="tag_match_bias needs video_tags"):
-        TrainParams(tag_match_bias=True)
     with pytest.raises(ValueError, match=r"tag_match_prior .* needs tag_match_bias"):
-        TrainParams(tag_match_prior=4.0, video_tags=True)
+        TrainParams(tag_match_prior=4.0, tag_match_bias=False)
     with pytest.raises(ValueError, match=r"bias_learning_rate must be > 0 \(or None: the layers' rate\), got 0\.0"):
         TrainParams(bias_learning_rate=0.0)
 
