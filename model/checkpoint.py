@@ -93,20 +93,18 @@ def load_checkpoint(
         diffs = config_differences(config, expected_config)
         raise CheckpointError(f"Checkpoint {path} does not match the expected config: {diffs}")
     model = HSTURecommender(config, device=device)
-    if config.num_video_tags:
-        if "video_tags" not in payload:
-            raise CheckpointError(f"Checkpoint {path} embeds video tags but holds no tag table")
+    # The catalogue snapshots a model's tokens read (model/video_tags.py, model/video_side_features.py).
+    for needed, key, table, what in ((config.num_video_tags, "video_tags", VideoTagTable, "video tag"),
+                                     (config.side_feature_hash_size, "side_features", VideoSideFeatures,
+                                      "video side-feature")):
+        if not needed:
+            continue
+        if key not in payload:
+            raise CheckpointError(f"Checkpoint {path} embeds {what}s but holds no {what} table")
         try:
-            model.video_tags = VideoTagTable.from_tensors(payload["video_tags"])
+            setattr(model, key, table.from_tensors(payload[key]))
         except ValueError as err:
-            raise CheckpointError(f"Checkpoint {path}: its video tag table is unusable: {err}") from err
-    if config.side_feature_hash_size:
-        if "side_features" not in payload:
-            raise CheckpointError(f"Checkpoint {path} embeds video side features but holds no side-feature table")
-        try:
-            model.side_features = VideoSideFeatures.from_tensors(payload["side_features"])
-        except ValueError as err:
-            raise CheckpointError(f"Checkpoint {path}: its video side-feature table is unusable: {err}") from err
+            raise CheckpointError(f"Checkpoint {path}: its {what} table is unusable: {err}") from err
     _check_shapes(path, model.state_dict(), payload.get("state_dict"))
     missing, unexpected = model.load_state_dict(payload["state_dict"], strict=False)
     if missing or unexpected:

@@ -105,7 +105,7 @@ def test_checkpoint_carries_the_table(tmp_path):
     payload = torch.load(tmp_path / "ck" / "model.pt", weights_only=True)
     del payload["side_features"]
     torch.save(payload, tmp_path / "ck" / "model.pt")
-    with pytest.raises(CheckpointError, match="holds no side-feature table"):
+    with pytest.raises(CheckpointError, match="embeds video side-features but holds no video side-feature table"):
         load_checkpoint(tmp_path / "ck")
 
 

@@ -80,5 +80,5 @@ def test_checkpoint_carries_the_table(tmp_path):
     payload = torch.load(tmp_path / "ck" / "model.pt", weights_only=True)
     del payload["video_tags"]
     torch.save(payload, tmp_path / "ck" / "model.pt")
-    with pytest.raises(CheckpointError, match="embeds video tags but holds no tag table"):
+    with pytest.raises(CheckpointError, match="embeds video tags but holds no video tag table"):
         load_checkpoint(tmp_path / "ck")
