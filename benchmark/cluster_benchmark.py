@@ -36,8 +36,8 @@ from inference_end2end_example import working_set_pages
 
 from data.dataset import InferenceDataset
 from data.schema import DEFAULT_SPLIT_DATE, beijing_midnight_ms
-from kvcache import PageLayout
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
+from model.cache_config import kv_cache_config, page_layout
 from model.checkpoint import load_checkpoint, model_fingerprint
 from model.inference import InferenceSession
 from serve.launch import Service, start_node, start_router, wait_healthy
@@ -92,11 +92,9 @@ def warmup_indices(dataset: InferenceDataset, indices: np.ndarray, from_ms: int)
 
 def offline_reference(model, dataset: InferenceDataset, warm: np.ndarray, indices: np.ndarray, progress: bool):
     """-> ({request index: logits}, {request index: history tokens a perfect cache computes})."""
-    from kvcache import KVCacheConfig, KVCacheManager
+    from kvcache import KVCacheManager
 
-    cfg = model.config
-    cache = KVCacheManager(KVCacheConfig(num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                                         page_size=cfg.page_size, num_pages=8192))
+    cache = KVCacheManager(kv_cache_config(model.config, num_pages=8192))
     session = InferenceSession(model, dataset, kv_cache=cache)
     logits = {}
     stream = np.concatenate([warm, indices])
@@ -128,7 +126,7 @@ def node_memory(model, dataset: InferenceDataset, stream: np.ndarray, args) -> t
     """(device pages, host bytes) per node, as shares of the replayed users' working set."""
     cfg = model.config
     working, _ = working_set_pages(model, dataset, stream, cfg.page_size)
-    pages_of = PageLayout(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.page_size, torch.float32)
+    pages_of = page_layout(cfg, torch.float32)
     pages = max(int(working / args.nodes * args.device_share), 2 * pages_of.num_pages(cfg.max_seq_len))
     host_bytes = int(working / args.nodes * args.host_share * pages_of.page_nbytes)
     return pages, host_bytes

@@ -34,7 +34,8 @@ import torch
 from tqdm import tqdm
 
 from device_profile import OpCounts, gpu_busy_fraction, sync
-from kvcache import KVCacheConfig, KVCacheManager
+from kvcache import KVCacheManager
+from model.cache_config import kv_cache_config
 from model.config import HSTUConfig
 from model.cuda_graphs import CUDAGraphs
 from model.kv_store import PagedKV
@@ -115,9 +116,8 @@ def visit_fns(model: HSTURecommender, history: int, batch: int, new: int, candid
     full_batch, new_batch = visit_batches(cfg, batch, history, new, candidates)
     prefill_batch, _ = visit_batches(cfg, batch, history, new, 0)
     pages_per_user = math.ceil(history / cfg.page_size) + 1
-    manager = KVCacheManager(KVCacheConfig(
-        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-        num_pages=batch * pages_per_user, dtype=model.dtype, device=device, host_capacity_bytes=1 << 20,
+    manager = KVCacheManager(kv_cache_config(
+        cfg, num_pages=batch * pages_per_user, dtype=model.dtype, device=device, host_capacity_bytes=1 << 20,
     ))
     users = list(range(batch))
     prefill = manager.prepare_kv_cache(users, [0] * batch, [cached] * batch)

@@ -26,7 +26,8 @@ import torch
 from data.dataset import InferenceDataset
 from data.schema import TASKS, beijing_midnight_ms
 from end2end_args import DTYPES, build_parser, parse_args, plot_path, refuse
-from kvcache import KVCacheConfig, KVCacheManager, PageLayout
+from kvcache import KVCacheConfig, KVCacheManager
+from model.cache_config import kv_cache_config, page_layout
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
 from model.config import config_for_dataset
 from model.cuda_graphs import use_cuda_graphs
@@ -105,19 +106,17 @@ def cache_config(args: argparse.Namespace, model: HSTURecommender, working_set: 
                  page_size: int, fingerprint: str) -> KVCacheConfig:
     """By default the device pool holds a quarter of the working set (so users are evicted and
     reloaded) but always at least one full batch of the largest windows."""
-    cfg = model.config
     num_pages = args.kv_pages
     if num_pages is None:
         num_pages = max(working_set // 4, args.batch_size * largest_window)
-    bytes_per_page = PageLayout(cfg.num_layers, cfg.num_heads, cfg.head_dim, page_size, DTYPES[args.dtype]).page_nbytes
+    bytes_per_page = page_layout(model.config, DTYPES[args.dtype], page_size).page_nbytes
     host_capacity = args.host_capacity
     if host_capacity is None:
         host_capacity = int(working_set * bytes_per_page * 1.5) + bytes_per_page
-    return KVCacheConfig(
-        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=page_size,
-        num_pages=num_pages, dtype=DTYPES[args.dtype], device=args.device, host_capacity_bytes=host_capacity,
-        async_offload=args.async_offload, kv_codec=args.kv_codec, **tier_settings(args, fingerprint),
-        read_window=None if args.keep_unread_kv else model.config.cache_read_window,
+    return kv_cache_config(
+        model.config, num_pages=num_pages, page_size=page_size, keep_unread_kv=args.keep_unread_kv,
+        dtype=DTYPES[args.dtype], device=args.device, host_capacity_bytes=host_capacity, async_offload=args.async_offload,
+        kv_codec=args.kv_codec, **tier_settings(args, fingerprint),
     )
 
 

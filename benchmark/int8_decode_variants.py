@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from kvcache.codecs.int8 import Int8Values
-from kvcache.config import PageLayout
+from kvcache.page_layout import PageLayout
 
 LAYOUT = PageLayout(num_layers=3, num_heads=4, head_dim=128, page_size=32, dtype=torch.float32)
 _STEP_PAGES = 8

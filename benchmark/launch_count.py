@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvcache import KVCacheConfig, KVCacheManager
+from kvcache import KVCacheManager
+from model.cache_config import kv_cache_config
 from model.cuda_graphs import CUDAGraphs, use_cuda_graphs
 from model.kv_store import PagedKV
 from model.recommender import HSTURecommender
@@ -77,9 +78,8 @@ def measure(model: HSTURecommender, batch: int, history: int, new: int, candidat
     cfg, device = model.config, model.device
     cached = history - new
     _, new_batch = visit_batches(cfg, batch, history, new, candidates)
-    manager = KVCacheManager(KVCacheConfig(
-        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-        num_pages=batch * (math.ceil(history / cfg.page_size) + 1), dtype=model.dtype, device=device,
+    manager = KVCacheManager(kv_cache_config(
+        cfg, num_pages=batch * (math.ceil(history / cfg.page_size) + 1), dtype=model.dtype, device=device,
         host_capacity_bytes=1 << 20,
     ))
     users = list(range(batch))

@@ -45,6 +45,7 @@ from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from kvcache.storage import DiskHostStorage
 from kvcache.storage.encoded_memory_tier import EncodedMemoryStorage
 from kvcache.storage.redis_tier import RedisHostStorage
+from model.cache_config import kv_cache_config
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
 from workloads import long_history_config, visit_batches
@@ -86,11 +87,7 @@ def tier_factories(names: list[str], workdir: Path, redis_url: str, capacity: in
 def cache_config(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, device: torch.device | str = "cpu"
                  ) -> KVCacheConfig:
     """A device pool just large enough for one user of `history` + 1 tokens (with the model's read window)."""
-    return KVCacheConfig(
-        num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
-        page_size=model_cfg.page_size, num_pages=-(-(history + 1) // model_cfg.page_size), dtype=dtype, device=device,
-        read_window=model_cfg.cache_read_window,
-    )
+    return kv_cache_config(model_cfg, num_pages=-(-(history + 1) // model_cfg.page_size), dtype=dtype, device=device)
 
 
 def loaded_cache(model_cfg: HSTUConfig, dtype: torch.dtype, history: int, storage: HostKVStorage,

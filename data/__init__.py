@@ -1,7 +1,6 @@
 """KuaiRand-1K data: raw schema and loader, synthetic generator, preprocessing, dataset.
 
-Exports resolve lazily (PEP 562) and the data layer is numpy/pyarrow only (torch is imported
-by the one device-side helper, `offsets_from_lengths`, when it is called), so the preprocessing
+Exports resolve lazily (PEP 562) and the data layer is numpy/pyarrow only, so the preprocessing
 CLI, the generator and the history stores' tools never pay for importing torch.
 The entry points are functions in their own modules (`data.preprocess.preprocess`,
 `data.synthetic.generate`): a package attribute named like a submodule gets shadowed.
@@ -13,7 +12,6 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "VisitBatch": "data.batch",
-    "offsets_from_lengths": "data.jagged",
     "InferenceDataset": "data.dataset",
     "Manifest": "data.manifest",
     "PreprocessParams": "data.manifest",
@@ -30,14 +28,12 @@ __all__ = [
     "RequestTable",
     "SyntheticConfig",
     "VisitBatch",
-    "offsets_from_lengths",
 ]
 assert sorted(_EXPORTS) == __all__
 
 if TYPE_CHECKING:
     from data.batch import VisitBatch
     from data.dataset import InferenceDataset
-    from data.jagged import offsets_from_lengths
     from data.manifest import Manifest, PreprocessParams
     from data.raw import RawDataError
     from data.requests import RequestTable

@@ -1,17 +1,11 @@
 """Jagged bookkeeping: the one place that turns per-row lengths into offsets and index ranges
 (and finds ids in a sorted id array, which the per-id indexes built on these arrays share).
 
-Host side (numpy) for everything planned per batch before the device sees it; the device
-side uses fbgemm's `asynchronous_complete_cumsum` (CPU and CUDA kernels, no host sync).
+Host side (numpy): everything here is planned per batch before the device sees it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:  # torch only for the device-side helper: the history stores and their tools run without it
-    import torch
 
 
 def offsets(lengths: np.ndarray) -> np.ndarray:
@@ -43,14 +37,6 @@ def concat_rows(first_lengths: np.ndarray, second_lengths: np.ndarray) -> tuple[
     first = range_indices(row_starts, first_lengths)
     second = range_indices(row_starts + first_lengths, second_lengths)
     return first, second
-
-
-def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
-    """Device side: [B] lengths -> [B + 1] offsets (fbgemm; no host sync on CUDA)."""
-    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
-    import torch
-
-    return torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.to(torch.int64))
 
 
 def sorted_lookup(sorted_ids: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

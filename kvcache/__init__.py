@@ -17,12 +17,13 @@ behind the device: KVCacheConfig(..., persistent_dir=..., redis_url=..., redis_n
 """
 from . import paged_kvcache_ops
 from .cache_version import CacheVersion
-from .config import KVCacheConfig, PageLayout
+from .config import KVCacheConfig
 from .errors import KVCacheCapacityError, KVCacheRequestError, KVCacheStaleError
 from .events import CacheEvent, CacheEventListener, CacheLocation
 from .manager import KVCacheManager
 from .metadata import KVCacheMetadata
 from .page_data import PageData
+from .page_layout import PageLayout
 from .policy import EvictionPolicy, LFUPolicy, LRUPolicy
 from .read_window import ReadWindow
 from .stats import CacheStats

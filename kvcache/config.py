@@ -7,60 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .codecs import DEFAULT_CODEC, get_codec
+from .page_layout import PageLayout
 from .read_window import ReadWindow
 
 EVICTION_POLICIES = ("lru", "lfu")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
-TIME_NBYTES = 8  # each token's time: an int64
-
-
-@dataclass(frozen=True)
-class PageLayout:
-    """What one page holds: `page_size` tokens of K and V for every layer, and each token's time.
-
-    The unit every tier exchanges (as `kvcache.PageData`): K/V of shape
-    `page_shape = [num_layers, 2 (K, V), page_size, num_heads, head_dim]` and `page_size` int64
-    times (the model's timestamp of each token, which attention needs for every cached key). A
-    tier that stores bytes keeps a page as one blob of `page_nbytes`: K/V, padding to 8 bytes,
-    then the times.
-    """
-
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    page_size: int
-    dtype: torch.dtype
-
-    @property
-    def page_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one page's K/V."""
-        return (self.num_layers, 2, self.page_size, self.num_heads, self.head_dim)
-
-    @property
-    def kv_nbytes(self) -> int:
-        """Bytes of one page's K/V (all layers)."""
-        return self.num_layers * 2 * self.page_size * self.num_heads * self.head_dim * self.dtype.itemsize
-
-    @property
-    def times_offset(self) -> int:
-        """Where a page blob's times start: after its K/V, aligned for int64."""
-        return -(-self.kv_nbytes // TIME_NBYTES) * TIME_NBYTES
-
-    @property
-    def page_nbytes(self) -> int:
-        """Bytes of one page: K/V and times (what a tier stores, and what capacities count)."""
-        return self.times_offset + self.page_size * TIME_NBYTES
-
-    @property
-    def token_nbytes(self) -> float:
-        """Bytes one token takes in a page (K/V of every layer and its time)."""
-        return self.page_nbytes / self.page_size
-
-    def num_pages(self, num_tokens: int) -> int:
-        """Pages needed to hold `num_tokens` tokens."""
-        return -(-num_tokens // self.page_size)
 
 
 @dataclass(frozen=True)
@@ -76,7 +28,7 @@ class KVCacheConfig:
     another model never reads these K/V), bounded by `redis_capacity_bytes`, entries expiring
     `redis_ttl_seconds` after their last use. A tier call taking longer than `tier_timeout_s`
     (None: no bound) is abandoned and served as a miss. `kv_codec` (a spec of `kvcache.codecs`)
-    encodes the pages every host tier stores; the default, `raw`, stores them exact and as they are.
+    encodes the pages every host tier stores; the default (`DEFAULT_CODEC`, raw) stores them exact and as they are.
     `stage_offloads` (None: on CUDA) gathers the pages of users offloaded together in one copy.
     `read_window` (None: every cached token may be read again) names the tokens a sliding-window
     model still reads; the others leave the device as zeros (kvcache/read_window.py).
@@ -99,7 +51,7 @@ class KVCacheConfig:
     redis_capacity_bytes: int = 8 << 30
     redis_ttl_seconds: int | None = None
     tier_timeout_s: float | None = 0.5
-    kv_codec: str = "raw"
+    kv_codec: str = DEFAULT_CODEC
     stage_offloads: bool | None = None
     read_window: ReadWindow | None = None
 
@@ -139,8 +91,6 @@ class KVCacheConfig:
         self._check_codec()
 
     def _check_codec(self) -> None:
-        from .codecs import get_codec  # the codecs import this module's PageLayout
-
         try:
             canonical = get_codec(self.kv_codec).spec
         except ValueError as exc:

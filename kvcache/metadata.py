@@ -47,10 +47,6 @@ class KVCacheMetadata:
     def num_new_tokens(self) -> int:
         return int(self.new_token_slots.numel())
 
-    @property
-    def num_kv_tokens(self) -> int:
-        return int(self.kv_slots.numel())
-
     def to(self, device: torch.device | str) -> KVCacheMetadata:
         """The same metadata with every tensor on `device` (for callers driving the cache ops by hand)."""
         moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}

@@ -19,17 +19,15 @@ each tier write reads its user's pages straight from the pool (`KVCacheConfig.st
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from .config import PageLayout
 from .page_data import PageData
+from .page_layout import PageLayout
 from .read_window import ReadWindow
+from .resident import Resident
 from .storage import HostEntry
-
-if TYPE_CHECKING:
-    from .residency import Resident
 
 
 class OffloadWrite(NamedTuple):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .config import PageLayout
+from .page_layout import PageLayout
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ shape (how many follows from the length: `released_count`) and attention reads t
 window's mask. Onloads copy only the live pages; offloads read the sink for the released ones, which
 `zero_unread` then zeroes. Without a read window nothing is released.
 
->>> from kvcache.config import PageLayout
+>>> from kvcache.page_layout import PageLayout
 >>> import torch
 >>> release = PageRelease(ReadWindow(size=4, sink=1), PageLayout(1, 1, 4, 2, torch.float32), sink_page=99)
 >>> release.released(14)  # tokens [1, 10) unread: pages 1..4 hold nothing else
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from array import array
 
-from .config import PageLayout
 from .page_data import HostPageData, page_range
+from .page_layout import PageLayout
 from .read_window import ReadWindow
 
 

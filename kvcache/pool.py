@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .config import PageLayout
 from .onload_events import OnloadEvents
 from .page_data import EncodedPageData, HostPageData, PageData
+from .page_layout import PageLayout
 from .paged_kvcache_ops import as_words
 
 Pages = array | Sequence[int]  # page ids; the pool hands out array("q")

@@ -32,10 +32,8 @@ Only the model whose window this is may read the entries: its fingerprint names 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # page_data imports the config, which imports this module
-    from .page_data import PageData
+from .page_data import PageData
 
 
 @dataclass(frozen=True)

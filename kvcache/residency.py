@@ -28,37 +28,19 @@ from torch import Tensor
 
 from . import paged_kvcache_ops
 from .cache_version import FROM_HOST, NOTHING, CacheVersion, Residence
-from .config import PageLayout
 from .events import CacheEvents
 from .metadata import token_slots
 from .offload_staging import OffloadStaging, OffloadWrite, plan_offload
 from .page_data import PageData, decoded
+from .page_layout import PageLayout
 from .page_release import PageRelease
 from .policy import EvictionPolicy
 from .pool import DevicePagePool
 from .read_window import ReadWindow, zero_unread
+from .resident import Resident
 from .storage import HostEntry, HostKVStorage, HostPages
 
 _NOTHING = HostEntry(0, 0)
-
-
-class Resident:
-    """A user's committed tokens on the device (plus reserved pages while in flight)."""
-
-    __slots__ = ("generation", "length", "pages", "start_pos", "synced", "tag", "zeroed_end")
-
-    def __init__(self, start_pos: int, length: int, pages: array, tag: bytes = b"", synced: HostEntry | None = None):
-        self.start_pos = start_pos
-        self.length = length
-        self.pages = pages
-        self.tag = tag  # the caller's fingerprint of the committed tokens (travels to the host tiers)
-        self.generation = FROM_HOST  # the commit that made these tokens (kvcache.cache_version)
-        # The host entry this manager last wrote or onloaded for the user: an offload appends only to
-        # that one, never to an entry another writer (node, process) put there meanwhile.
-        self.synced = synced
-        # With a read window: the host's copy holds zeros for the unread tokens before this one
-        # (bookkeeping of what rewrites pay, kvcache/read_window.py; values never depend on it).
-        self.zeroed_end = 0
 
 
 class Onload(NamedTuple):

@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 from . import paged_kvcache_ops
-from .config import PageLayout
 from .manager import KVCacheManager
 from .metadata import KVCacheMetadata
+from .page_layout import PageLayout
 
 ValueFn = Callable[[int, Tensor], Tensor]  # (user_id, positions [N]) -> [2, num_layers, N, H, D]
 

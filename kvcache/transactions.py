@@ -16,7 +16,8 @@ from .errors import KVCacheRequestError
 from .events import CacheEvents
 from .metadata import KVCacheMetadata, build_metadata
 from .prepare_plan import PreparePlan
-from .residency import Onload, Residency, Resident
+from .residency import Onload, Residency
+from .resident import Resident
 from .storage import HostPages
 
 _PREPARE_IDS = itertools.count(1)  # process-wide, so a metadata object from another manager is refused too

@@ -135,10 +135,6 @@ class CUDAGraphs:
         self.replays += 1
         return entry.output[: inputs.num_candidates].clone()
 
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
-
     def _capture(self, inputs: ModelInputs, kv: KVStore) -> _Graph:
         static_buffer = inputs.device_inputs.buffer.clone()
         static_inputs = inputs.rebound(static_buffer)

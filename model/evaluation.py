@@ -96,15 +96,12 @@ def score_requests(
 
 def _cached_session(model: HSTURecommender, dataset: InferenceDataset, batch_size: int):
     """A session over a KV cache whose device pool holds a full batch of the largest windows."""
-    from kvcache import KVCacheConfig, KVCacheManager
+    from kvcache import KVCacheManager
+    from model.cache_config import kv_cache_config, window_pages
     from model.inference import InferenceSession
 
-    cfg = model.config
-    pages_per_window = -(-cfg.max_seq_len // cfg.page_size)
-    cache = KVCacheManager(KVCacheConfig(
-        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-        num_pages=batch_size * pages_per_window, dtype=model.dtype, device=model.device,
-        read_window=model.config.cache_read_window,
+    cache = KVCacheManager(kv_cache_config(
+        model.config, num_pages=batch_size * window_pages(model.config), dtype=model.dtype, device=model.device,
     ))
     return InferenceSession(model, dataset, kv_cache=cache)
 

@@ -1,7 +1,9 @@
 """InferenceSession: serve whole visits, incrementally through a KV cache or by full recompute.
 
-A visit:  get_user_kvdata_info -> plan (token layout) -> fetch only the uncached events
-          -> prepare_kv_cache -> forward -> commit (rollback on any failure) -> offload_kv_cache.
+A visit:  get_user_residences (one lookup per user: its cache version and tier) -> plan (token layout)
+          -> fetch only the uncached events -> prepare_kv_cache(expected_versions) -> forward
+          -> commit (rollback on any failure) -> offload_kv_cache (unless `offload_between_visits` is off).
+The cache's part is `serve_through_cache` (model/cached_serving.py).
 Without a cache the same visit computes the user's whole window. Both paths plan their
 window with the same pure function of the history end, so they attend over identical
 tokens and their logits agree to round-off.

@@ -36,6 +36,7 @@ from kvcache import (
     KVCacheRequestError,
     build_host_storage,
 )
+from model.cache_config import kv_cache_config, window_pages
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint
 from model.inference import HistorySource, InferenceSession
 from model.recommender import HSTURecommender
@@ -51,13 +52,14 @@ class EngineConfig:
     data_dir: str | None  # a preprocessed dataset served read-only (when no history_store)
     checkpoint: str
     history_store: str | None = None  # a history store URL (history/registry.py): live events
-    device: str = "cpu"
-    kv_pages: int = 1024  # device pool pages (at least one largest window)
+    # The cache's settings default to the cache's own defaults (KVCacheConfig: their one home).
+    device: str = KVCacheConfig.device
+    kv_pages: int = KVCacheConfig.num_pages  # device pool pages (at least one largest window)
     page_size: int | None = None  # None: the model's
-    host_capacity_bytes: int = 1 << 30
+    host_capacity_bytes: int = KVCacheConfig.host_capacity_bytes
     redis_url: str | None = None  # the shared tier (and the locality index); None: this node alone
-    redis_capacity_bytes: int = 8 << 30
-    kv_codec: str = "raw"  # how the host tiers and Redis store K/V pages (kvcache/codecs/registry.py)
+    redis_capacity_bytes: int = KVCacheConfig.redis_capacity_bytes
+    kv_codec: str = KVCacheConfig.kv_codec  # how the host tiers and Redis store K/V pages (kvcache/codecs/registry.py)
     async_offload: bool = True
     offload_each_visit: bool = True  # write each visit's K/V through to the host tiers (and Redis)
     max_candidates: int = 512
@@ -237,16 +239,15 @@ def open_engine(config: EngineConfig) -> ScoringEngine:
             f"the data in {where} has {list(features)}"
         )
     fingerprint = model_fingerprint(model)
-    cfg = model.config
-    page_size = config.page_size or cfg.page_size
-    window_pages = -(-cfg.max_seq_len // page_size)
-    if config.kv_pages < window_pages:
-        raise ValueError(f"kv_pages={config.kv_pages} cannot hold one full window ({window_pages} pages of {page_size} tokens)")
-    kv_config = KVCacheConfig(
-        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=page_size,
-        num_pages=config.kv_pages, device=config.device, host_capacity_bytes=config.host_capacity_bytes,
-        async_offload=config.async_offload, redis_url=config.redis_url, redis_namespace=fingerprint if config.redis_url else "",
-        redis_capacity_bytes=config.redis_capacity_bytes, kv_codec=config.kv_codec, read_window=model.config.cache_read_window,
+    page_size = config.page_size or model.config.page_size
+    full_window = window_pages(model.config, page_size)
+    if config.kv_pages < full_window:
+        raise ValueError(f"kv_pages={config.kv_pages} cannot hold one full window ({full_window} pages of {page_size} tokens)")
+    kv_config = kv_cache_config(
+        model.config, num_pages=config.kv_pages, page_size=page_size, device=config.device,
+        host_capacity_bytes=config.host_capacity_bytes, async_offload=config.async_offload, redis_url=config.redis_url,
+        redis_namespace=fingerprint if config.redis_url else "", redis_capacity_bytes=config.redis_capacity_bytes,
+        kv_codec=config.kv_codec,
     )
     storage = build_host_storage(kv_config)
     locations = CacheLocations()

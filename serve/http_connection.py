@@ -25,15 +25,14 @@ import logging
 import socket
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httptools
 
+from serve.http_budget import BodyBudget
+from serve.http_limits import ServerLimits
 from serve.http_refusals import Refused, parser_error_code
-from serve.http_routes import Handler, Request, Response, error_response
-
-if TYPE_CHECKING:
-    from serve.http_server import HttpServer
+from serve.http_routes import Handler, Request, Response, Routes, error_response
 
 log = logging.getLogger("serve.http")
 
@@ -49,8 +48,18 @@ class _Queued:
     reserved: int  # of the server's body budget, released once answered
 
 
+class ConnectionOwner(Protocol):
+    """What a connection reads of the server that accepted it (`HttpServer`), named here so that the
+    connection does not import the server that imports it."""
+
+    routes: Routes
+    limits: ServerLimits
+    connections: set[Connection]
+    body_budget: BodyBudget
+
+
 class Connection(asyncio.Protocol):
-    def __init__(self, server: HttpServer) -> None:
+    def __init__(self, server: ConnectionOwner) -> None:
         self._server = server
         self._limits = server.limits
         self._parser = httptools.HttpRequestParser(self)

@@ -260,20 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # after parsing: --help answers without the heavy imports
 
     from history.base import HistoryUnavailableError
-    from serve.engine import EngineConfig, open_engine
+    from serve.engine import open_engine
 
     torch.set_num_threads(args.torch_threads)
     node_id = args.node_id or f"{args.host}:{args.port}"
-    config = EngineConfig(
-        data_dir=args.data_dir, checkpoint=args.checkpoint, history_store=args.history_store, device=args.device,
-        kv_pages=args.kv_pages, page_size=args.page_size, host_capacity_bytes=args.host_capacity_mb << 20,
-        redis_url=args.redis_url,
-        redis_capacity_bytes=args.redis_capacity_mb << 20, kv_codec=args.kv_codec, async_offload=not args.sync_offload,
-        offload_each_visit=not args.no_offload_each_visit, max_candidates=args.max_candidates,
-        cuda_graphs=args.cuda_graphs,
-    )
     try:
-        engine = open_engine(config)
+        engine = open_engine(node_args.engine_config(args))
     except (FileNotFoundError, ValueError, HistoryUnavailableError) as err:
         log.error("cannot start: %s", err)
         return 2

@@ -219,11 +219,12 @@ def serve(model, kv_cache, histories: dict[int, History], visits: list[Visit], f
 
 def make_cache(config: HSTUConfig, num_pages: int = 256, page_size: int | None = None,
                host_capacity_bytes: int = 1 << 30, dtype: torch.dtype = torch.float32, **kwargs):
-    from kvcache import KVCacheConfig, KVCacheManager
+    """A cache for `config` that keeps every token (no read window: the parity tests compare against it)."""
+    from kvcache import KVCacheManager
+    from model.cache_config import kv_cache_config
 
-    return KVCacheManager(KVCacheConfig(
-        num_layers=config.num_layers, num_heads=config.num_heads, head_dim=config.head_dim,
-        page_size=page_size or config.page_size, num_pages=num_pages, dtype=dtype,
+    return KVCacheManager(kv_cache_config(
+        config, num_pages=num_pages, page_size=page_size, keep_unread_kv=True, dtype=dtype,
         host_capacity_bytes=host_capacity_bytes, **kwargs,
     ))
 
@@ -438,17 +439,18 @@ def sensitive_model(config: HSTUConfig, seed: int = 0) -> HSTURecommender:
     return model
 
 
-def returning_users(model: HSTURecommender, dataset, count: int = 60, **cache_fields) -> tuple[torch.Tensor, int]:
+def returning_users(model: HSTURecommender, dataset, count: int = 60, keep_unread_kv: bool = True,
+                    **cache_fields) -> tuple[torch.Tensor, int]:
     """Logits of the second half of a replay of `count` visits, served after every user was offloaded and
     evicted from the device (each returning user onloaded from the host tiers), and the host tiers'
-    bytes at the end. `cache_fields`: KVCacheConfig fields (codec, tiers, read window)."""
-    from kvcache import KVCacheConfig, KVCacheManager
+    bytes at the end. `cache_fields`: KVCacheConfig fields (codec, tiers); `keep_unread_kv` off: the
+    cache has the model's read window."""
+    from kvcache import KVCacheManager
+    from model.cache_config import kv_cache_config
     from model.inference import InferenceSession
 
-    cfg = model.config
-    cache = KVCacheManager(KVCacheConfig(
-        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-        num_pages=300, **{"host_capacity_bytes": 1 << 23, **cache_fields},
+    cache = KVCacheManager(kv_cache_config(
+        model.config, num_pages=300, keep_unread_kv=keep_unread_kv, **{"host_capacity_bytes": 1 << 23, **cache_fields},
     ))
     session = InferenceSession(model, dataset, kv_cache=cache)
     indices = dataset.request_indices(max_requests=count)

@@ -19,6 +19,7 @@ import torch
 
 from kvcache import PageLayout
 from kvcache.page_release import PageRelease
+from model.cache_config import page_layout
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
 
@@ -54,10 +55,6 @@ class UserMemory:
     without_cache: int  # device bytes while a full-recompute visit runs
     with_cache_device: int  # the user's pages + a cached visit's working memory
     with_cache_resident: int  # the user's pages, held between visits (device or a host tier)
-
-
-def page_layout(config: HSTUConfig, dtype: torch.dtype) -> PageLayout:
-    return PageLayout(config.num_layers, config.num_heads, config.head_dim, config.page_size, dtype)
 
 
 def user_pages(config: HSTUConfig, layout: PageLayout, history: int, window: int = 0) -> int:

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import PageLayout
 from ..page_data import PageData, empty_pages
+from ..page_layout import PageLayout
 
 
 class CodecSpecError(ValueError):

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import TIME_NBYTES, PageLayout
 from ..page_data import PageData
+from ..page_layout import TIME_NBYTES, PageLayout
 from .base import EncodedPages, InPlaceDecodingCodec, zero_pages
 from .zstd_contexts import zstd_contexts
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..config import TIME_NBYTES, PageLayout
 from ..page_data import PageData
+from ..page_layout import TIME_NBYTES, PageLayout
 from .base import EncodedPages, InPlaceDecodingCodec
 from .values import ValueCodec
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import PageLayout
+from ..page_layout import PageLayout
 from .values import ValueCodec, aligned, cast_error, layer_shape
 
 _GROUP_DIMS = (3, 5)  # [k, l, 2, S, H, D]: a group spans the page's tokens and a head's dims

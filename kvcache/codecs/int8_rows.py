@@ -34,7 +34,7 @@ import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 from torch import Tensor
 
-from ..config import PageLayout
+from ..page_layout import PageLayout
 from .int8 import quantisation_error_bound, quantisation_step
 from .values import ValueCodec, aligned
 

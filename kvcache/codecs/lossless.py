@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import TIME_NBYTES, PageLayout
 from ..page_data import PageData
+from ..page_layout import TIME_NBYTES, PageLayout
 from .base import EncodedPages, KVCodec, zero_pages
 from .fixed_width import FixedWidthCodec
 from .raw import RawCodec

@@ -5,8 +5,8 @@ a view of the bytes read.
 """
 from __future__ import annotations
 
-from ..config import PageLayout
 from ..page_data import PageData, blob_pages, blob_view
+from ..page_layout import PageLayout
 from .base import EncodedPages, KVCodec
 
 

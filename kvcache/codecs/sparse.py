@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..config import TIME_NBYTES, PageLayout
 from ..page_data import PageData, empty_pages
+from ..page_layout import TIME_NBYTES, PageLayout
 from .base import EncodedPages, KVCodec
 from .values import ValueCodec, aligned
 

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-from ..config import PageLayout
+from ..page_layout import PageLayout
 from . import triton_int8
 
 ALIGN = 8  # every field of an encoded page starts 8-byte aligned, so it can be viewed as any dtype

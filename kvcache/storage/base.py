@@ -27,8 +27,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from typing import NamedTuple
 
-from ..config import PageLayout
 from ..page_data import HostPageData, PageData
+from ..page_layout import PageLayout
 
 # Fills host pages (k of them) with pages; returns once they hold them.
 PageFill = Callable[[PageData], None]

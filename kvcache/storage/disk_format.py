@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..config import PageLayout
+from ..page_layout import PageLayout
 from .base import HostEntry
 
 FORMAT = "hstu-kvcache-disk"

@@ -38,8 +38,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..codecs import EncodedPages
-from ..config import PageLayout
+from ..codecs import DEFAULT_CODEC, EncodedPages
+from ..page_layout import PageLayout
 from .base import HostEntry, HostPages, HostWriteResult, PageFill
 from .disk_format import (
     DiskEntry,
@@ -79,7 +79,7 @@ class DiskHostStorage(BytesBoundedTier):
     but not for a machine that loses power.
     """
 
-    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = True, codec: str = "raw") -> None:
+    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = True, codec: str = DEFAULT_CODEC) -> None:
         super().__init__(capacity_bytes)
         self.codec = TierCodec(codec)
         self.directory = Path(directory)

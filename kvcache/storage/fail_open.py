@@ -35,8 +35,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from ..config import PageLayout
 from ..page_data import EncodedPageData, PageData, empty_pages
+from ..page_layout import PageLayout
 from .base import HostEntry, HostKVStorage, HostPages, HostWriteResult, PageFill, TierDataError, sum_counters
 
 log = logging.getLogger("kvcache")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ..config import PageLayout
+from ..page_layout import PageLayout
 from .base import HostEntry, HostPages, HostWriteResult, PageFill
 from .lru import BytesBoundedTier
 from .page_slab import HostPageSlab, PageRange

@@ -10,8 +10,8 @@ import zlib
 
 import numpy as np
 
-from ..config import PageLayout
 from ..page_data import PageData, blob_pages
+from ..page_layout import PageLayout
 
 
 def byte_rows(pages: PageData) -> np.ndarray:

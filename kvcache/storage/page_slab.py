@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from ..config import PageLayout
 from ..page_data import PageData, empty_kv, empty_times
+from ..page_layout import PageLayout
 
 
 class PageRange(NamedTuple):

@@ -41,9 +41,9 @@ import numpy as np
 import redis
 import torch
 
-from ..codecs import EncodedPages
-from ..config import PageLayout
+from ..codecs import DEFAULT_CODEC, EncodedPages
 from ..page_data import PageData
+from ..page_layout import PageLayout
 from . import redis_scripts
 from .base import (
     HostEntry,
@@ -113,7 +113,7 @@ class RedisHostStorage(HostKVStorage):
     shared = True
 
     def __init__(self, url: str, namespace: str, capacity_bytes: int, ttl_seconds: int | None = None,
-                 timeout_s: float | None = 0.5, codec: str = "raw") -> None:
+                 timeout_s: float | None = 0.5, codec: str = DEFAULT_CODEC) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}.")
         if ttl_seconds is not None and ttl_seconds <= 0:

@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from ..codecs import DEFAULT_CODEC
-from ..config import KVCacheConfig, PageLayout
+from ..config import KVCacheConfig
 from ..page_data import copy_pages
+from ..page_layout import PageLayout
 from .base import (
     HostEntry,
     HostKVStorage,

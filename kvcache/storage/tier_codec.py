@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from ..codecs import EncodedPages, KVCodec, get_codec
-from ..config import PageLayout
 from ..page_data import EncodedPageData, PageData, concat_pages
+from ..page_layout import PageLayout
 from .base import PageFill
 from .page_codec import StagingPages
 

@@ -35,10 +35,6 @@ def register(name: str, factory: Factory) -> None:
     _FACTORIES[name] = factory
 
 
-def backend_names() -> tuple[str, ...]:
-    return tuple(_FACTORIES)
-
-
 def default_backend_name(device: torch.device) -> str:
     """The Triton kernel on CUDA (when triton imports); the blocked torch path elsewhere."""
     return "triton" if device.type == "cuda" and triton_attention.available() else "blocked"

@@ -186,6 +186,7 @@ def world(tmp_path_factory):
 
 
 def test_the_session_prefetching_the_next_batch_serves_the_same_logits(world, device):
+    from model.cache_config import kv_cache_config
     from model.inference import InferenceSession
 
     dataset, model = world
@@ -194,10 +195,7 @@ def test_the_session_prefetching_the_next_batch_serves_the_same_logits(world, de
     batches = list(dataset.batches(dataset.request_indices(max_requests=48), 4))
     runs = []
     for prefetch in (False, True):
-        cache = KVCacheManager(KVCacheConfig(
-            num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-            num_pages=600, host_capacity_bytes=1 << 24, device=device,
-        ))
+        cache = KVCacheManager(kv_cache_config(cfg, num_pages=600, host_capacity_bytes=1 << 24, device=device))
         session = InferenceSession(model, dataset, kv_cache=cache)
         results = []
         for i, idx in enumerate(batches):

@@ -21,11 +21,11 @@ from helpers import (
 from kvcache import (
     DiskHostStorage,
     InMemoryHostStorage,
-    KVCacheConfig,
     KVCacheManager,
     TieredHostStorage,
 )
 from kvcache.storage.redis_tier import RedisHostStorage
+from model.cache_config import kv_cache_config
 from model.kv_store import PagedKV
 
 UNWRITTEN = 12345.0  # put into the new tokens' K slots before the forward; an append overwrites it
@@ -87,10 +87,7 @@ def test_each_layer_asks_for_its_pages_right_before_it_and_onloads_from_every_ti
     rng = np.random.default_rng(1)
     histories = random_histories(rng, 4, 60, cfg)
     host = _host(tier, device, tmp_path, request)
-    cache = KVCacheManager(KVCacheConfig(
-        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-        num_pages=256, device=device,
-    ), host_storage=host)
+    cache = KVCacheManager(kv_cache_config(cfg, num_pages=256, device=device), host_storage=host)
     users = list(histories)
     serve(model, cache, histories, [Visit(u, 20 + 3 * u, random_candidates(rng, 2)) for u in users])
     cache.offload_kv_cache()

@@ -12,8 +12,9 @@ import torch
 
 from data.dataset import InferenceDataset
 from helpers import build_processed, returning_users, sensitive_model
-from kvcache import KVCacheConfig, KVCacheManager, ReadWindow
+from kvcache import KVCacheManager, ReadWindow
 from model.attention import triton_attention
+from model.cache_config import kv_cache_config
 from model.cached_serving import serve_through_cache
 from model.config import config_for_dataset, preset
 from model.inference import InferenceSession
@@ -28,11 +29,9 @@ def world(tmp_path_factory):
     return dataset, model
 
 
-def cache_for(model, read_window) -> KVCacheManager:
-    cfg = model.config
-    return KVCacheManager(KVCacheConfig(
-        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-        num_pages=300, host_capacity_bytes=1 << 23, kv_codec="zstd-channel", read_window=read_window,
+def cache_for(model, keep_unread_kv: bool) -> KVCacheManager:
+    return KVCacheManager(kv_cache_config(
+        model.config, num_pages=300, keep_unread_kv=keep_unread_kv, host_capacity_bytes=1 << 23, kv_codec="zstd-channel",
     ))
 
 
@@ -54,8 +53,7 @@ def test_unread_kv_released_and_offloaded_as_zeros_leave_every_logit_unchanged(w
     monkeypatch.setattr(model, "attention_backend", backend)
     assert model.resolved_attention_backend().name == backend
     kept, kept_bytes = returning_users(model, dataset, count, kv_codec="zstd-channel")
-    zeroed, zeroed_bytes = returning_users(model, dataset, count, kv_codec="zstd-channel",
-                                           read_window=model.config.cache_read_window)
+    zeroed, zeroed_bytes = returning_users(model, dataset, count, keep_unread_kv=False, kv_codec="zstd-channel")
     assert torch.equal(kept, zeroed)
     assert zeroed_bytes < 0.8 * kept_bytes
 
@@ -76,7 +74,7 @@ def test_a_candidate_reading_behind_the_cached_end_is_recomputed(world):
     dataset, model = world
     earlier, visit = returning_visit(dataset)
     req = dataset.requests
-    cache = cache_for(model, model.config.cache_read_window)
+    cache = cache_for(model, keep_unread_kv=False)
     session = InferenceSession(model, dataset, kv_cache=cache)
 
     def looking_back(starts, window_starts):
@@ -104,8 +102,8 @@ def test_a_visit_with_no_new_events_reads_the_oldest_key_its_window_keeps(world)
     earlier, _ = returning_visit(dataset)
     req = dataset.requests
     logits = []
-    for read_window in (None, model.config.cache_read_window):
-        cache = cache_for(model, read_window)
+    for keep_unread_kv in (True, False):
+        cache = cache_for(model, keep_unread_kv)
         with cache:
             InferenceSession(model, dataset, kv_cache=cache).serve(np.array([earlier]))
             cache.offload_kv_cache()

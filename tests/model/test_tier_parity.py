@@ -10,7 +10,8 @@ import pytest
 
 from data.dataset import InferenceDataset
 from helpers import assert_logits_close, build_processed, sensitive_model
-from kvcache import KVCacheConfig, KVCacheManager
+from kvcache import KVCacheManager
+from model.cache_config import kv_cache_config
 from model.checkpoint import model_fingerprint, save_checkpoint
 from model.config import config_for_dataset
 from model.inference import InferenceSession
@@ -27,11 +28,7 @@ def world(tmp_path_factory):
 
 
 def cache_for(model, num_pages=300, **tiers) -> KVCacheManager:
-    cfg = model.config
-    return KVCacheManager(KVCacheConfig(
-        num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-        num_pages=num_pages, host_capacity_bytes=1 << 20, **tiers,
-    ))
+    return KVCacheManager(kv_cache_config(model.config, num_pages=num_pages, host_capacity_bytes=1 << 20, **tiers))
 
 
 def halves(dataset, count=60):
@@ -55,15 +52,14 @@ RESTART_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
     from data.dataset import InferenceDataset
-    from kvcache import KVCacheConfig, KVCacheManager
+    from kvcache import KVCacheManager
+    from model.cache_config import kv_cache_config
     from model.checkpoint import load_checkpoint
     from model.inference import InferenceSession
     data_dir, ckpt, kv_dir, indices = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     dataset, model = InferenceDataset(data_dir), load_checkpoint(ckpt).model
-    cfg = model.config
-    cache = KVCacheManager(KVCacheConfig(num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                                         page_size=cfg.page_size, num_pages=300, host_capacity_bytes=1 << 20,
-                                         persistent_dir=kv_dir))
+    cache = KVCacheManager(kv_cache_config(model.config, num_pages=300, host_capacity_bytes=1 << 20,
+                                           persistent_dir=kv_dir))
     session = InferenceSession(model, dataset, kv_cache=cache)
     for batch in dataset.batches(np.array(indices), 4):
         session.serve(batch)
