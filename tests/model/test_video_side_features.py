@@ -16,7 +16,8 @@ from helpers import (
     serve,
     tiny_config,
 )
-from kvcache import KVCacheConfig, KVCacheManager
+from kvcache import KVCacheManager
+from model.cache_config import kv_cache_config
 from model.checkpoint import CheckpointError, load_checkpoint, model_fingerprint, save_checkpoint
 from model.video_side_features import DURATION_ROWS, SIDE_FEATURES, VideoSideFeatures
 
@@ -88,8 +89,7 @@ def test_cached_serving_equals_full_recompute_with_side_features():
     model = side_model(2, random_side_table(rng))
     cfg = model.config
     histories = random_histories(rng, 3, 40, cfg)
-    cache = KVCacheManager(KVCacheConfig(num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                                         page_size=cfg.page_size, num_pages=256))
+    cache = KVCacheManager(kv_cache_config(cfg, num_pages=256))
     for end in (12, 25, 40):  # three visits of each user through the cache
         visits = [Visit(u, end, random_candidates(rng, 3)) for u in histories]
         assert_logits_close(serve(model, cache, histories, visits), serve(model, None, histories, visits))
