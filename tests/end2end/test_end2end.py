@@ -142,7 +142,8 @@ def test_checkpoint_for_other_data_is_refused(pipeline, tmp_path, capsys):
     other = model.config.replace(user_feature_cardinalities=tuple(c + 1 for c in model.config.user_feature_cardinalities))
     from model.recommender import HSTURecommender
 
-    save_checkpoint(HSTURecommender(other, video_tags=model.video_tags), tmp_path / "other")
+    save_checkpoint(HSTURecommender(other, video_tags=model.video_tags, side_features=model.side_features),
+                    tmp_path / "other")
     code = run_example(["--data_dir", str(pipeline / "processed"), "--checkpoint", str(tmp_path / "other"),
                         "--output", str(tmp_path / "r.json")])
     assert code == 2
