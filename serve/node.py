@@ -7,7 +7,8 @@
     POST /events   -> 200 {"appended", "duplicates", "late", "replayed"} once durable (serve/ingest.py)
                       | 400 / 409 / 413 {"error": ...} | 503 history_unavailable
     POST /score    -> 200 scores | 400 / 422 {"error": {"code", "message"}} | 503 (queue full, shutting down)
-                      (inline "events" are stored first, as by POST /events)
+                      (inline "events" are stored first, as by POST /events; every answer after that,
+                      a refusal included, says what they stored: "events_stored")
     GET  /health   -> 200 {"status": "ok", "node_id", "model_fingerprint", "queue_depth", ...} | 503 draining
     GET  /metrics  -> Prometheus text
     POST /admin/reset_cache -> 200 (only with --admin): forget every user's K/V in every tier (benchmarks)
@@ -32,7 +33,7 @@ from aiohttp import web
 from serve import node_args
 from serve.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
 from serve.http_app import serve_until_signal
-from serve.ingest import Ingestor, append_result_json
+from serve.ingest import Ingestor, append_result_json, with_events_stored
 from serve.locality_index import TIERS
 from serve.metrics import BATCH_SIZE_BUCKETS, CONTENT_TYPE, LATENCY_BUCKETS_S, Registry
 from serve.protocol import DEFAULT_MAX_EVENTS, RequestError, ScoredVisit, ScoreQuery, parse_events_request, parse_score_request
@@ -125,6 +126,7 @@ class Node:
     # ------------------------------------------------------------------ handlers
     async def score(self, request: web.Request) -> web.Response:
         arrived = time.perf_counter()
+        stored = None  # what the inline events stored: every answer after the append says so
         try:
             if self.draining:
                 raise RequestError(503, "shutting_down", f"node {self.node_id} is shutting down")
@@ -133,7 +135,7 @@ class Node:
                                         self.max_events)
             self.engine.validate(query)
             if query.events is not None and len(query.events):
-                await self.ingestor.append(query.events)
+                stored = await self.ingestor.append(query.events)
             try:
                 done = await self.batcher.submit(query)
             except QueueFullError as err:
@@ -142,16 +144,17 @@ class Node:
                 raise RequestError(503, "shutting_down", f"node {self.node_id}: {err}") from None
         except RequestError as err:
             self.metrics.requests.inc(code=str(err.status))
-            return web.json_response(err.to_json(), status=err.status)
+            return web.json_response(with_events_stored(err.to_json(), stored), status=err.status)
         except Exception as err:
             log.exception("scoring failed")
             self.metrics.requests.inc(code="500")
-            return web.json_response({"error": {"code": "internal", "message": f"{type(err).__name__}: {err}"}}, status=500)
+            refusal = {"error": {"code": "internal", "message": f"{type(err).__name__}: {err}"}}
+            return web.json_response(with_events_stored(refusal, stored), status=500)
         result = done.result
         scored = ScoredVisit(query, self.node_id, result.logits, result.history_length, result.cache,
                              done.batch_size, done.queue_s * 1000.0, done.run_s * 1000.0)
         self.metrics.record(scored, time.perf_counter() - arrived)
-        return web.json_response(scored.to_json(), dumps=_dumps)
+        return web.json_response(with_events_stored(scored.to_json(), stored), dumps=_dumps)
 
     async def events(self, request: web.Request) -> web.Response:
         try:

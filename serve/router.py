@@ -28,6 +28,7 @@ import json
 import logging
 import sys
 import time
+import zlib
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -115,15 +116,17 @@ class Router:
 
     async def events(self, request: Request) -> Response:
         """To the node the first event's user would be scored on: any node appends to the shared store,
-        and a retry on another node after a failed forward stores nothing twice."""
+        and a retry on another node after a failed forward stores nothing twice. An empty batch with a
+        batch_id goes to a node too: only the store knows whether that id was used for other events."""
         arrived = time.perf_counter()
         try:
-            events, _ = parse_events_request(request.body, self.max_events)
+            events, batch_id = parse_events_request(request.body, self.max_events)
         except RequestError as err:
             return self._answer_error(err)
-        if not len(events):
+        if not len(events) and batch_id is None:
             return Response.json({"appended": 0, "duplicates": 0, "late": 0, "replayed": False})
-        return await self._forward("/events", request.body, int(events.user_id[0]), arrived)
+        user_id = int(events.user_id[0]) if len(events) else zlib.crc32(batch_id.encode())
+        return await self._forward("/events", request.body, user_id, arrived)
 
     async def _forward(self, path: str, body: bytes, user_id: int, arrived: float) -> Response:
         """Forward to the node the policy picks for `user_id`; on a failed or refused forward, to the next."""
