@@ -15,9 +15,9 @@ The contract (docs/serving.md, "Deploying to a cluster"):
 * Retried: a connection that fails, times out or closes before the answer, and 503 (no node
   available, every node overloaded, a router shutting down, an append whose outcome the store does
   not know: `outcome_unknown`, retried with the same batch_id, whose answer then says what was
-  stored). Not retried: 4xx (the request is
-  wrong, and stays wrong) and other answers. Attempts cycle through the routers, with a backoff
-  after each full round, until `deadline_s`; then `RoutersUnavailableError`.
+  stored). Not retried: 4xx (the request is wrong, and stays wrong) and other answers. Attempts
+  cycle through the routers, with a backoff after each full round, until `deadline_s`; then
+  `RoutersUnavailableError`.
 """
 from __future__ import annotations
 
