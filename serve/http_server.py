@@ -89,10 +89,14 @@ class HttpServer:
         return self._server.sockets[0].getsockname()[1]
 
     def _accept(self) -> asyncio.Protocol:
+        """Counted from the accept, not from `connection_made`: the loop accepts a burst of connections
+        before it makes any of them, and each of them must see the ones accepted before it."""
         if len(self.connections) >= self.limits.max_connections:
             self.refused_connections += 1
             return _Refuser()
-        return Connection(self)
+        connection = Connection(self)
+        self.connections.add(connection)
+        return connection
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
