@@ -1,8 +1,10 @@
-"""The router's HTTP/1.1 front: a listening socket, its connections (serve/http_connection.py), their limits.
+"""The HTTP/1.1 front of router and node: a listening socket, its connections (serve/http_connection.py),
+their limits.
 
 The router adds a second loopback hop to every visit, so its front stays on bare asyncio
 protocols rather than a framework, with a maintained parser (llhttp, through httptools) doing the
-wire format. The node keeps aiohttp, where the model's time dwarfs the server's.
+wire format. Nodes serve on the same front, so that a client holds a node no longer and no more
+than a router: the same deadlines, connection cap and body limits (`add_limit_arguments`).
 
 What it speaks: HTTP/1.0 and 1.1 requests with a Content-Length body (or none), keep-alive,
 pipelining (answered in order, one at a time), `Expect: 100-continue`. What it refuses, with a
@@ -20,6 +22,7 @@ a 500; the connection stays usable.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 from dataclasses import dataclass
@@ -28,12 +31,13 @@ from serve.http_budget import BodyBudget
 from serve.http_connection import Connection
 from serve.http_routes import Request, Response, Routes, error_response
 
-__all__ = ["HttpServer", "Request", "Response", "Routes", "ServerLimits", "error_response"]
+__all__ = ["HttpServer", "Request", "Response", "Routes", "ServerLimits", "add_limit_arguments", "error_response",
+           "limits_from_args"]
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one client may hold of the router. The defaults suit clients on a trusted network
+    """What one client may hold of the server. The defaults suit clients on a trusted network
     behind a load balancer; the timeouts are per phase, from the phase's start (a slow drip of
     bytes does not extend them)."""
 
@@ -62,12 +66,30 @@ class ServerLimits:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `ServerLimits` flags, with its defaults (router and node)."""
+    parser.add_argument("--max_connections", type=int, default=ServerLimits.max_connections,
+                        help="client connections held at once; beyond it 503 and close (keep under `ulimit -n`)")
+    parser.add_argument("--header_timeout_s", type=float, default=ServerLimits.header_timeout_s)
+    parser.add_argument("--body_timeout_s", type=float, default=ServerLimits.body_timeout_s)
+    parser.add_argument("--keep_alive_timeout_s", type=float, default=ServerLimits.keep_alive_timeout_s)
+    parser.add_argument("--max_held_body_bytes", type=int, default=ServerLimits.max_held_body_bytes,
+                        help="request bodies held at once over all connections; past it new bodies wait unread")
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    """ServerLimits from `add_limit_arguments`' flags; ValueError for an impossible one."""
+    return ServerLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout_s,
+                        body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
+                        max_held_body_bytes=args.max_held_body_bytes)
+
+
 class _Refuser(asyncio.Protocol):
     """A connection past the cap: told so at once, then closed."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport.write(error_response(
-            503, "too_many_connections", "the router holds its maximum of connections; retry later"
+            503, "too_many_connections", "the server holds its maximum of connections; retry later"
         ).encode(keep_alive=False))
         transport.close()
 
