@@ -16,9 +16,9 @@
 The HTTP front is the router's (serve/http_server.py), with the same limits and flags: header and body
 deadlines (408), a connection cap (503), 1 MiB bodies (413). With `--redis_url` the node's K/V go
 through to the shared Redis tier and its cache events to the locality index (serve/locality_index.py)
-under the model fingerprint. SIGTERM / SIGINT: stop
-taking requests, serve the queued ones, offload every user's device K/V to the host tiers (the
-shared one included), leave the index, exit 0. docs/serving.md has the API with examples.
+under the model fingerprint. SIGTERM / SIGINT: stop taking requests, serve the queued ones, offload
+every user's device K/V to the host tiers (the shared one included), leave the index, exit 0.
+docs/serving.md has the API with examples.
 """
 from __future__ import annotations
 
