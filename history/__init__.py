@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "AppendOutcomeUnknownError": "history.base",
     "AppendResult": "history.base",
     "BatchConflictError": "history.base",
     "HistoryStore": "history.base",

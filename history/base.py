@@ -11,7 +11,9 @@ EVENT_KEY_COLUMNS) is a duplicate and stores nothing; a user's events read back 
 ties in arrival order. A `batch_id` makes a whole retried batch idempotent: the same id with the same
 events answers the first result again, with other events it is a `BatchConflictError` and nothing is
 written. An append is all or nothing. A store that cannot be reached raises `HistoryUnavailableError`
-(and has written nothing).
+(and has written nothing); an append whose call was sent but not answered (a timeout, a connection
+lost mid-call) raises `AppendOutcomeUnknownError`: it may have been applied, whole. Retrying it with
+the same batch_id tells which (`replayed`), and stores it at most once either way.
 
 Implementations: history/sqlite_store.py (embedded, one machine) and history/redis_store.py (shared
 by every node). history/registry.py opens either from a URL.
@@ -30,7 +32,14 @@ from history.events import EventBatch
 
 
 class HistoryUnavailableError(RuntimeError):
-    """The store cannot be reached (or timed out); nothing of the failed call was written."""
+    """The store cannot be reached or refused the call; nothing of the failed call was written (but see
+    the subclass `AppendOutcomeUnknownError`)."""
+
+
+class AppendOutcomeUnknownError(HistoryUnavailableError):
+    """An append was sent and no answer came back: it may have been applied (whole) or not. A subclass,
+    so that a caller who only retries treats it as unavailable; one who reports the outcome must not
+    say "nothing stored"."""
 
 
 class BatchConflictError(ValueError):

@@ -12,7 +12,8 @@ The server:
   `appendonly yes` and `appendfsync always`: Redis then fsyncs the AOF before it replies (Redis 7.0
   has no WAITAOF to ask for it per call). The constructor checks both with CONFIG GET and refuses a
   server without them; `require_fsync=False` skips the check, and then an acknowledged append may be
-  lost when the server crashes. Settings changed on the server later are not noticed.
+  lost when the server crashes. A server switched away from them at run time is noticed within
+  `fsync_check_interval_s`, and its appends refused (history/redis_durability.py).
 * **Memory.** About 400 bytes per event (its dedup key, its entry in the user's history, the video
   counters): 10M events take ~4 GB. benchmark/history_ingest.py measures it.
 * **Time.** The script holds the server ~20-50 µs per event (while it runs, other clients wait), so
@@ -34,8 +35,9 @@ Atomicity: a Lua script runs alone and its effects reach the AOF as one MULTI/EX
 restarted server see all of an append or none. Redis does not roll a failed script back, so the script
 takes its own writes back (SREM/ZREM of what it added) when a command fails midway (a key of another
 type in the namespace, written by something else); Redis refuses an out-of-memory script before its
-first write. Failures raise `HistoryUnavailableError`. A timeout is ambiguous: the append may have been
-applied (whole) after all; retry it with the same batch_id to learn its result.
+first write. Failures raise `HistoryUnavailableError`, except an append sent and not answered (a
+timeout): it may have been applied, whole, after all (a stalled server that resumes does), so it raises
+`AppendOutcomeUnknownError`; retry it with the same batch_id to learn its result.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ from data.schema import COUNTED_TASKS, TASKS
 from data.user_histories import EventArrays
 from history.base import AppendResult, BatchConflictError, HistoryStore, HistoryUnavailableError, batch_digest
 from history.events import EventBatch
+from history.redis_durability import DEFAULT_FSYNC_CHECK_INTERVAL_S, FsyncGuard, append_outcome
 
 DEFAULT_NAMESPACE = "hstu:history"
 _DEDUP_COLUMNS = [i for i, c in enumerate(EVENT_KEY_COLUMNS) if c != "user_id"]  # the user is in the key name
@@ -133,25 +136,27 @@ return {'ok', appended, n - appended, late}
 
 
 class RedisHistoryStore(HistoryStore):
-    def __init__(self, client: redis.Redis, namespace: str = DEFAULT_NAMESPACE, require_fsync: bool = True) -> None:
+    def __init__(self, client: redis.Redis, namespace: str = DEFAULT_NAMESPACE, require_fsync: bool = True,
+                 fsync_check_interval_s: float = DEFAULT_FSYNC_CHECK_INTERVAL_S) -> None:
         """A store on `client`'s server under `namespace` (closed with the store). `require_fsync`:
-        refuse a server that does not fsync every write (see the module docstring)."""
+        refuse a server that does not fsync every write, at start and then before an append at most
+        every `fsync_check_interval_s` (0: before every append; see the module docstring)."""
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("RedisHistoryStore needs a client with decode_responses=False (it stores bytes)")
         self._client = client
         self.namespace = namespace
         self._append = client.register_script(_APPEND)  # EVALSHA, loaded again after a server restart
-        if require_fsync:
-            self._check_fsync()
+        self.durability = FsyncGuard(client, self.description, require_fsync, fsync_check_interval_s)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = DEFAULT_NAMESPACE, require_fsync: bool = True,
-                 timeout_s: float = 5.0) -> RedisHistoryStore:
+                 timeout_s: float = 5.0, fsync_check_interval_s: float = DEFAULT_FSYNC_CHECK_INTERVAL_S
+                 ) -> RedisHistoryStore:
         """`redis://[:password@]host:port/db`, `rediss://...` or `unix:///path?db=N`. Calls are not
         retried here: a retried append that was applied would report its events as duplicates."""
         client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                       retry=Retry(NoBackoff(), 0))
-        return cls(client, namespace, require_fsync)
+        return cls(client, namespace, require_fsync, fsync_check_interval_s)
 
     @property
     def description(self) -> str:
@@ -171,23 +176,6 @@ class RedisHistoryStore(HistoryStore):
         except redis.RedisError as err:
             raise HistoryUnavailableError(f"{self.description}: {what}: {err}") from err
 
-    def _check_fsync(self) -> None:
-        with self._calling("checking the server's durability settings"):
-            try:
-                config = self._client.config_get("appendonly") | self._client.config_get("appendfsync")
-            except redis.ResponseError as err:  # CONFIG renamed away or not permitted to this user
-                raise ValueError(
-                    f"{self.description}: cannot read the server's appendonly/appendfsync settings ({err}); the "
-                    "history store needs `appendonly yes` and `appendfsync always` so that an acknowledged append "
-                    "is durable. Allow CONFIG GET, or pass require_fsync=False if you accept losing acknowledged "
-                    "appends in a server crash") from err
-        if config.get("appendonly") != "yes" or config.get("appendfsync") != "always":
-            raise ValueError(
-                f"{self.description} runs with appendonly={config.get('appendonly')}, "
-                f"appendfsync={config.get('appendfsync')}: an acknowledged append could be lost in a crash. Set "
-                "`appendonly yes` and `appendfsync always` in redis.conf (or CONFIG SET appendonly yes, then "
-                "CONFIG SET appendfsync always, and CONFIG REWRITE), or pass require_fsync=False to accept the loss")
-
     # ------------------------------------------------------------ writes
     def append(self, events: EventBatch, batch_id: str | None = None) -> AppendResult:
         if len(events) == 0 and batch_id is None:
@@ -204,7 +192,8 @@ class RedisHistoryStore(HistoryStore):
             "".join(f"{u} {t} {v};" for u, t, v in zip(events.user_id.tolist(), events.time_ms.tolist(),
                                                          events.video_id.tolist())),
         ]
-        with self._calling("append failed"):
+        self.durability.recheck()
+        with append_outcome(self.description):
             status, appended, duplicates, late = self._append(args=args)
         if status == b"conflict":
             raise BatchConflictError(f"batch_id {batch_id!r} was used before for other events")

@@ -14,6 +14,7 @@ the tier can be exercised on one machine without one.
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -115,6 +116,7 @@ class LocalRedisServer:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
+        proc.send_signal(signal.SIGCONT)  # a paused server handles no SIGTERM
         proc.terminate()
         try:
             proc.wait(timeout=10)
@@ -128,6 +130,16 @@ class LocalRedisServer:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP the server, as a stall would (a long fsync, a swapped-out host): connections stay
+        open and what clients send waits in the socket until `resume()`."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGCONT)
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=5.0)

@@ -13,9 +13,11 @@ The contract (docs/serving.md, "Deploying to a cluster"):
   node, and a second run leaves the same K/V cached. So a request whose router died before
   answering is sent again, to the next router, although a node may already have scored it.
 * Retried: a connection that fails, times out or closes before the answer, and 503 (no node
-  available, every node overloaded, a router shutting down). Not retried: 4xx (the request is
-  wrong, and stays wrong) and other answers. Attempts cycle through the routers, with a backoff
-  after each full round, until `deadline_s`; then `RoutersUnavailableError`.
+  available, every node overloaded, a router shutting down, an append whose outcome the store does
+  not know: `outcome_unknown`, retried with the same batch_id, whose answer then says what was
+  stored). Not retried: 4xx (the request is wrong, and stays wrong) and other answers. Attempts
+  cycle through the routers, with a backoff after each full round, until `deadline_s`; then
+  `RoutersUnavailableError`.
 """
 from __future__ import annotations
 

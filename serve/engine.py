@@ -131,7 +131,8 @@ class ScoringEngine:
     def score_batch(self, queries: Sequence[ScoreQuery]) -> list[EngineResult | RequestError]:
         """Score a batch (each user at most once), reading the users' histories once. A visit that cannot
         be scored gets its own error; the others are scored. A batch whose windows do not fit the device
-        pool together, or that the cache refuses, is served one visit at a time (`_score_alone`)."""
+        pool together, that the cache refuses, or whose forward fails, is served one visit at a time
+        (`_score_alone`), so that only the visit at fault gets an error."""
         users = np.array([q.user_id for q in queries], dtype=np.int64)
         times = np.array([q.request_time_ms for q in queries], dtype=np.int64)
         try:
@@ -162,11 +163,16 @@ class ScoringEngine:
         except KVCacheRequestError as err:  # capacity, or one user's cache at odds with its visit
             log.warning("a batch of %d visits was refused by the KV cache (%s): serving it one visit at a time",
                         len(queries), err)
-            return [self._score_alone(histories, q, ends[b:b + 1]) for b, q in enumerate(queries)]
+        except Exception as err:  # one visit the model cannot take must not fail its batch-mates
+            log.warning("a batch of %d visits failed (%s: %s): serving it one visit at a time",
+                        len(queries), type(err).__name__, err)
+        return [self._score_alone(histories, q, ends[b:b + 1]) for b, q in enumerate(queries)]
 
     def _score_alone(self, histories: UserHistories, query: ScoreQuery, ends: np.ndarray) -> EngineResult | RequestError:
         """One visit. A cache that refuses it (other than for room) is dropped for the user and the visit
-        computed from the history once more: K/V is derived from events, so that is always right."""
+        computed from the history once more: K/V is derived from events, so that is always right. Any
+        other failure is this visit's answer (500 scoring_failed); a failed forward leaves the cache
+        as it was (model/cached_serving.py rolls it back)."""
         try:
             return self._score_together(histories, [query], ends)[0]
         except KVCacheCapacityError:
@@ -174,12 +180,16 @@ class ScoringEngine:
         except KVCacheRequestError as err:
             log.warning("user %d: the KV cache refused the visit (%s); recomputing it from the history", query.user_id, err)
             self.cache.invalidate_kv_cache([query.user_id])
+        except Exception as err:
+            return _scoring_failed(query, err)
         try:
             return self._score_together(histories, [query], ends)[0]
         except KVCacheCapacityError:
             raise
         except KVCacheRequestError as err:
             return RequestError(500, "kv_cache_error", f"user {query.user_id}: {err}")
+        except Exception as err:
+            return _scoring_failed(query, err)
 
     def _score_together(self, histories: UserHistories, queries: list[ScoreQuery], ends: np.ndarray) -> list[EngineResult]:
         visits = [Visit(q.user_id, q.request_time_ms, np.asarray(q.candidate_video_ids, dtype=np.int64)) for q in queries]
@@ -214,6 +224,12 @@ class ScoringEngine:
             self.storage.close()
             if self.store is not None:
                 self.store.close()
+
+
+def _scoring_failed(query: ScoreQuery, err: Exception) -> RequestError:
+    log.exception("user %d: scoring the visit at request_time_ms=%d failed", query.user_id, query.request_time_ms,
+                  exc_info=err)
+    return RequestError(500, "scoring_failed", f"user {query.user_id}: {type(err).__name__}: {err}")
 
 
 def open_engine(config: EngineConfig) -> ScoringEngine:

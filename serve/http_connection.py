@@ -31,7 +31,7 @@ import httptools
 
 from serve.http_budget import BodyBudget
 from serve.http_limits import ServerLimits
-from serve.http_refusals import Refused, parser_error_code
+from serve.http_refusals import Refused, content_length, parser_error_code
 from serve.http_routes import Handler, Request, Response, Routes, error_response
 
 log = logging.getLogger("serve.http")
@@ -81,9 +81,11 @@ class Connection(asyncio.Protocol):
         self._head_raw = 0  # received while the head is incomplete (see _count_partial_head)
         self._completed_in_chunk = False
         self._body = bytearray()
-        # when this connection is closed unless it makes progress (loop time; None: no deadline)
+        # when this connection is closed unless it makes progress (loop time; None: no deadline); from
+        # the accept: a connection the loop never completes is dropped from the count at this deadline
         self.deadline: float | None = None
         self.deadline_reason = ""
+        self._set_deadline(self._limits.keep_alive_timeout_s, "idle")
 
     @property
     def busy(self) -> bool:
@@ -104,7 +106,6 @@ class Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._server.connections.add(self)
         self._set_deadline(self._limits.keep_alive_timeout_s, "idle")
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -171,9 +172,7 @@ class Connection(asyncio.Protocol):
             raise Refused(501, "transfer_encoding_not_supported",
                           f"Transfer-Encoding {self._headers['transfer-encoding'][:40]!r} is not supported: "
                           "send a Content-Length body")
-        length = int(self._headers.get("content-length", "0"))  # llhttp checked the digits and overflow
-        if length > self._limits.max_body_bytes:
-            raise Refused(413, "body_too_large", f"a {length}-byte body; at most {self._limits.max_body_bytes} bytes")
+        length = content_length(self._headers.get("content-length", "0"), self._limits.max_body_bytes)
         if version == "1.1" and "host" not in self._headers:
             raise Refused(400, "missing_host", "an HTTP/1.1 request must carry a Host header")
         if length and not self._server.body_budget.reserve(self, length):
@@ -321,6 +320,8 @@ class Connection(asyncio.Protocol):
     def expire(self) -> None:
         """Past the deadline: a begun request hears 408, an idle connection just closes."""
         if self._transport is None:
+            self._server.connections.discard(self)  # accepted, never made (or closed): no longer counted
+            self.deadline = None
             return
         if self.deadline_reason in ("head", "body") and self._idle():
             limit = self._limits.header_timeout_s if self.deadline_reason == "head" else self._limits.body_timeout_s

@@ -1,9 +1,10 @@
-"""What one client may hold of the router's HTTP front (serve/http_server.py).
+"""What one client may hold of an HTTP front (serve/http_server.py: the router's and the node's), and its flags.
 
 Its own module: the server and each of its connections (serve/http_connection.py) read these limits.
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 
@@ -36,3 +37,21 @@ class ServerLimits:
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `ServerLimits` flags, with its defaults (router and node)."""
+    parser.add_argument("--max_connections", type=int, default=ServerLimits.max_connections,
+                        help="client connections held at once; beyond it 503 and close (keep under `ulimit -n`)")
+    parser.add_argument("--header_timeout_s", type=float, default=ServerLimits.header_timeout_s)
+    parser.add_argument("--body_timeout_s", type=float, default=ServerLimits.body_timeout_s)
+    parser.add_argument("--keep_alive_timeout_s", type=float, default=ServerLimits.keep_alive_timeout_s)
+    parser.add_argument("--max_held_body_bytes", type=int, default=ServerLimits.max_held_body_bytes,
+                        help="request bodies held at once over all connections; past it new bodies wait unread")
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    """ServerLimits from `add_limit_arguments`' flags; ValueError for an impossible one."""
+    return ServerLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout_s,
+                        body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
+                        max_held_body_bytes=args.max_held_body_bytes)

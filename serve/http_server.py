@@ -1,8 +1,10 @@
-"""The router's HTTP/1.1 front: a listening socket, its connections (serve/http_connection.py), their limits.
+"""The HTTP/1.1 front of router and node: a listening socket, its connections (serve/http_connection.py),
+their limits.
 
 The router adds a second loopback hop to every visit, so its front stays on bare asyncio
 protocols rather than a framework, with a maintained parser (llhttp, through httptools) doing the
-wire format. The node keeps aiohttp, where the model's time dwarfs the server's.
+wire format. Nodes serve on the same front, so that a client holds a node no longer and no more
+than a router: the same deadlines, connection cap and body limits (`add_limit_arguments`).
 
 What it speaks: HTTP/1.0 and 1.1 requests with a Content-Length body (or none), keep-alive,
 pipelining (answered in order, one at a time), `Expect: 100-continue`. What it refuses, with a
@@ -36,7 +38,7 @@ class _Refuser(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport.write(error_response(
-            503, "too_many_connections", "the router holds its maximum of connections; retry later"
+            503, "too_many_connections", "the server holds its maximum of connections; retry later"
         ).encode(keep_alive=False))
         transport.close()
 
@@ -58,10 +60,14 @@ class HttpServer:
         return self._server.sockets[0].getsockname()[1]
 
     def _accept(self) -> asyncio.Protocol:
+        """Counted from the accept, not from `connection_made`: the loop accepts a burst of connections
+        before it makes any of them, and each of them must see the ones accepted before it."""
         if len(self.connections) >= self.limits.max_connections:
             self.refused_connections += 1
             return _Refuser()
-        return Connection(self)
+        connection = Connection(self)
+        self.connections.add(connection)
+        return connection
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()

@@ -8,7 +8,9 @@ The answer comes only after the store made the events durable (history/base.py).
 timeout is always safe: an exact copy of a stored event stores nothing, and a `batch_id` seen before
 answers its first result again. Refusals name the event and the field (400 invalid_event), a batch
 over the limit is 413 too_many_events, a batch_id reused for other events 409 batch_conflict, a store
-that cannot be reached 503 history_unavailable; nothing is stored in any of these cases.
+that cannot be reached 503 history_unavailable; nothing is stored in any of these cases. A store that
+took the append and did not answer (a timeout) is 503 outcome_unknown: the batch may be stored, and a
+retry with the same batch_id answers what was (an exact copy of a stored event stores nothing again).
 Appends run on their own threads, never on the node's compute thread, so ingestion does not queue
 behind scoring (nor scoring behind a slow disk).
 """
@@ -18,7 +20,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from history.base import AppendResult, BatchConflictError, HistoryStore, HistoryUnavailableError
+from history.base import AppendOutcomeUnknownError, AppendResult, BatchConflictError, HistoryStore, HistoryUnavailableError
 from history.events import EventBatch
 from serve.metrics import LATENCY_BUCKETS_S, Registry
 from serve.protocol import DEFAULT_MAX_FUTURE_MS, RequestError
@@ -34,7 +36,7 @@ class IngestMetrics:
         self.seconds = registry.histogram("hstu_history_append_seconds", "Time to append durably.", LATENCY_BUCKETS_S)
         for outcome in ("appended", "duplicate", "late"):
             self.events.inc(0, outcome=outcome)
-        for result in ("ok", "replayed", "conflict", "unavailable"):
+        for result in ("ok", "replayed", "conflict", "unavailable", "outcome_unknown"):
             self.appends.inc(0, result=result)
 
 
@@ -59,6 +61,9 @@ class Ingestor:
         except BatchConflictError as err:
             self.metrics.appends.inc(result="conflict")
             raise RequestError(409, "batch_conflict", str(err)) from None
+        except AppendOutcomeUnknownError as err:  # before its base class: this one may have stored the batch
+            self.metrics.appends.inc(result="outcome_unknown")
+            raise RequestError(503, "outcome_unknown", str(err)) from None
         except HistoryUnavailableError as err:
             self.metrics.appends.inc(result="unavailable")
             raise RequestError(503, "history_unavailable", str(err)) from None
@@ -77,3 +82,8 @@ class Ingestor:
 def append_result_json(result: AppendResult) -> dict:
     return {"appended": result.appended, "duplicates": result.duplicates, "late": result.late,
             "replayed": result.replayed}
+
+
+def with_events_stored(doc: dict, stored: AppendResult | None) -> dict:
+    """A /score answer (scores or a refusal) that says what its inline events stored, when it stored any."""
+    return doc if stored is None else {**doc, "events_stored": append_result_json(stored)}

@@ -5,17 +5,20 @@
     python -m serve.node --data_dir DIR --checkpoint DIR --port 8001      # a fixed dataset, read-only
 
     POST /events   -> 200 {"appended", "duplicates", "late", "replayed"} once durable (serve/ingest.py)
-                      | 400 / 409 / 413 {"error": ...} | 503 history_unavailable
+                      | 400 / 409 / 413 {"error": ...} | 503 history_unavailable | 503 outcome_unknown
     POST /score    -> 200 scores | 400 / 422 {"error": {"code", "message"}} | 503 (queue full, shutting down)
-                      (inline "events" are stored first, as by POST /events)
+                      (inline "events" are stored first, as by POST /events; every answer after that,
+                      a refusal included, says what they stored: "events_stored")
     GET  /health   -> 200 {"status": "ok", "node_id", "model_fingerprint", "queue_depth", ...} | 503 draining
     GET  /metrics  -> Prometheus text
     POST /admin/reset_cache -> 200 (only with --admin): forget every user's K/V in every tier (benchmarks)
 
-With `--redis_url` the node's K/V go through to the shared Redis tier and its cache events to the
-locality index (serve/locality_index.py) under the model fingerprint. SIGTERM / SIGINT: stop
-taking requests, serve the queued ones, offload every user's device K/V to the host tiers (the
-shared one included), leave the index, exit 0. docs/serving.md has the API with examples.
+The HTTP front is the router's (serve/http_server.py), with the same limits and flags: header and body
+deadlines (408), a connection cap (503), 1 MiB bodies (413). With `--redis_url` the node's K/V go
+through to the shared Redis tier and its cache events to the locality index (serve/locality_index.py)
+under the model fingerprint. SIGTERM / SIGINT: stop taking requests, serve the queued ones, offload
+every user's device K/V to the host tiers (the shared one included), leave the index, exit 0.
+docs/serving.md has the API with examples.
 """
 from __future__ import annotations
 
@@ -27,18 +30,17 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from aiohttp import web
-
 from serve import node_args
 from serve.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
-from serve.http_app import serve_until_signal
-from serve.ingest import Ingestor, append_result_json
+from serve.http_app import run_until_signal
+from serve.http_limits import ServerLimits, limits_from_args
+from serve.http_server import HttpServer, Request, Response, Routes
+from serve.ingest import Ingestor, append_result_json, with_events_stored
 from serve.locality_index import TIERS
 from serve.metrics import BATCH_SIZE_BUCKETS, CONTENT_TYPE, LATENCY_BUCKETS_S, Registry
 from serve.protocol import DEFAULT_MAX_EVENTS, RequestError, ScoredVisit, ScoreQuery, parse_events_request, parse_score_request
 
 log = logging.getLogger("serve.node")
-MAX_BODY_BYTES = 1 << 20  # a request body over this is refused with 413 (as at the router)
 
 
 class NodeMetrics:
@@ -109,31 +111,28 @@ class Node:
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
         return results
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/score", self.score)
-        app.router.add_post("/events", self.events)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_text)
+    def routes(self) -> Routes:
+        routes = Routes()
+        routes.add("POST", "/score", self.score)
+        routes.add("POST", "/events", self.events)
+        routes.add("GET", "/health", self.health)
+        routes.add("GET", "/metrics", self.metrics_text)
         if self.admin:
-            app.router.add_post("/admin/reset_cache", self.reset_cache)
-        app.on_startup.append(self._start)
-        app.on_shutdown.append(self._drain)
-        app.on_cleanup.append(self._stop)
-        return app
+            routes.add("POST", "/admin/reset_cache", self.reset_cache)
+        return routes
 
     # ------------------------------------------------------------------ handlers
-    async def score(self, request: web.Request) -> web.Response:
+    async def score(self, request: Request) -> Response:
         arrived = time.perf_counter()
+        stored = None  # what the inline events stored: every answer after the append says so
         try:
             if self.draining:
                 raise RequestError(503, "shutting_down", f"node {self.node_id} is shutting down")
             max_time = self.ingestor.max_time_ms() if self.ingestor is not None else None
-            query = parse_score_request(await _read_body(request), self.engine.config.max_candidates, max_time,
-                                        self.max_events)
+            query = parse_score_request(request.body, self.engine.config.max_candidates, max_time, self.max_events)
             self.engine.validate(query)
             if query.events is not None and len(query.events):
-                await self.ingestor.append(query.events)
+                stored = await self.ingestor.append(query.events)
             try:
                 done = await self.batcher.submit(query)
             except QueueFullError as err:
@@ -142,34 +141,35 @@ class Node:
                 raise RequestError(503, "shutting_down", f"node {self.node_id}: {err}") from None
         except RequestError as err:
             self.metrics.requests.inc(code=str(err.status))
-            return web.json_response(err.to_json(), status=err.status)
+            return Response.json(with_events_stored(err.to_json(), stored), err.status)
         except Exception as err:
             log.exception("scoring failed")
             self.metrics.requests.inc(code="500")
-            return web.json_response({"error": {"code": "internal", "message": f"{type(err).__name__}: {err}"}}, status=500)
+            refusal = {"error": {"code": "internal", "message": f"{type(err).__name__}: {err}"}}
+            return Response.json(with_events_stored(refusal, stored), 500)
         result = done.result
         scored = ScoredVisit(query, self.node_id, result.logits, result.history_length, result.cache,
                              done.batch_size, done.queue_s * 1000.0, done.run_s * 1000.0)
         self.metrics.record(scored, time.perf_counter() - arrived)
-        return web.json_response(scored.to_json(), dumps=_dumps)
+        return Response(200, _dumps(with_events_stored(scored.to_json(), stored)).encode())
 
-    async def events(self, request: web.Request) -> web.Response:
+    async def events(self, request: Request) -> Response:
         try:
             if self.draining:
                 raise RequestError(503, "shutting_down", f"node {self.node_id} is shutting down")
             if self.ingestor is None:
                 raise RequestError(405, "read_only_history",
                                    f"node {self.node_id} serves a fixed dataset (no --history_store): it takes no events")
-            events, batch_id = parse_events_request(await _read_body(request), self.max_events, self.ingestor.max_time_ms())
+            events, batch_id = parse_events_request(request.body, self.max_events, self.ingestor.max_time_ms())
             result = await self.ingestor.append(events, batch_id)
         except RequestError as err:
-            return web.json_response(err.to_json(), status=err.status)
+            return Response.json(err.to_json(), err.status)
         except Exception as err:
             log.exception("ingestion failed")
-            return web.json_response({"error": {"code": "internal", "message": f"{type(err).__name__}: {err}"}}, status=500)
-        return web.json_response(append_result_json(result))
+            return Response.json({"error": {"code": "internal", "message": f"{type(err).__name__}: {err}"}}, 500)
+        return Response.json(append_result_json(result))
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Response:
         body = {
             "status": "draining" if self.draining else "ok",
             "node_id": self.node_id,
@@ -181,27 +181,28 @@ class Node:
             "cuda_graphs": self.engine.session.graphs is not None,
             "warm_up": None if self.engine.warm_up_report is None else self.engine.warm_up_report.as_dict(),
         }
-        return web.json_response(body, status=503 if self.draining else 200)
+        return Response.json(body, 503 if self.draining else 200)
 
-    async def metrics_text(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.registry.render(), headers={"Content-Type": CONTENT_TYPE})
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(200, self.registry.render().encode(), content_type=CONTENT_TYPE)
 
-    async def reset_cache(self, request: web.Request) -> web.Response:
+    async def reset_cache(self, request: Request) -> Response:
         """Between benchmark runs: on the compute thread, so no batch is in flight meanwhile."""
         await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.reset_cache)
-        return web.json_response({"status": "ok"})
+        return Response.json({"status": "ok"})
 
     # ------------------------------------------------------------------ lifecycle
-    async def _start(self, app: web.Application) -> None:
+    async def start(self) -> None:
         self.batcher.start()
         if self.publisher is not None:
             self.publisher.start()
 
-    async def _drain(self, app: web.Application) -> None:
+    async def drain(self) -> None:
+        """Take no new visits (503 shutting_down, /health 503), serve the queued ones."""
         self.draining = True
         await self.batcher.close(drain=True)
 
-    async def _stop(self, app: web.Application) -> None:
+    async def stop(self) -> None:
         if self.ingestor is not None:
             self.ingestor.close()  # acknowledged appends are done: each answered only once durable
         await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.shutdown)
@@ -215,21 +216,25 @@ def _dumps(obj: object) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-async def run(node: Node, host: str, port: int) -> None:
-    """Serve until SIGTERM / SIGINT, then shut down gracefully."""
-    await serve_until_signal(
-        node.app(), host, port, shutdown_timeout=30.0,
-        on_ready=lambda: log.info("node %s ready on http://%s:%d", node.node_id, host, port),
-        on_stop=lambda: log.info("node %s shutting down", node.node_id),
-    )
+async def run(node: Node, host: str, port: int, limits: ServerLimits | None = None,
+              shutdown_timeout_s: float = 30.0) -> None:
+    """Serve until SIGTERM / SIGINT, then shut down gracefully: drain, then close the connections (the
+    requests in hand get `shutdown_timeout_s`), then offload and leave the index."""
+    server = HttpServer(node.routes(), limits)
 
+    async def start() -> None:
+        await node.start()
+        await server.start(host, port)
 
-async def _read_body(request: web.Request) -> bytes:
-    """The body, or the documented 413 (aiohttp raises its own exception, which is not a RequestError)."""
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise RequestError(413, "body_too_large", f"a body over {MAX_BODY_BYTES} bytes") from None
+    async def stop() -> None:
+        try:
+            await node.drain()
+            await server.stop(shutdown_timeout_s)
+        finally:
+            await node.stop()
+
+    await run_until_signal(start, stop, on_ready=lambda: log.info("node %s ready on http://%s:%d", node.node_id, host, port),
+                           on_stop=lambda: log.info("node %s shutting down", node.node_id))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_events=args.max_events)
     if args.redis_url is not None:
         node.publisher = index_publisher(args, engine, node)
-    asyncio.run(run(node, args.host, args.port))
+    asyncio.run(run(node, args.host, args.port, limits_from_args(args)))
     return 0
 
 

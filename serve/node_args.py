@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from serve.http_limits import add_limit_arguments, limits_from_args
 from serve.protocol import DEFAULT_MAX_EVENTS
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--heartbeat_s", type=float, default=1.0)
     p.add_argument("--index_ttl_s", type=float, default=3.0,
                    help="a node's index entries expire this long after its last heartbeat")
+    add_limit_arguments(p)  # what a client may hold of the node, as of a router (serve/http_server.py)
     p.add_argument("--admin", action="store_true", help="serve POST /admin/reset_cache (benchmarks only)")
     p.add_argument("--log_level", default="INFO")
     return p
@@ -76,6 +78,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--port must be in [1, 65535], got {args.port}")
     if args.max_wait_ms < 0:
         parser.error(f"--max_wait_ms must be >= 0, got {args.max_wait_ms}")
+    try:
+        limits_from_args(args)
+    except ValueError as err:
+        parser.error(str(err))
     if not 0 < args.heartbeat_s < args.index_ttl_s:
         parser.error(f"need 0 < --heartbeat_s < --index_ttl_s, got {args.heartbeat_s} and {args.index_ttl_s}")
 

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from data.schema import TASKS
+from data.schema import TASKS, TIME_MS_RANGE, TIME_MS_RANGE_TEXT
 from history.events import EventBatch, EventError
 
 if TYPE_CHECKING:  # model/ imports torch, which the router never loads
@@ -88,7 +88,7 @@ def parse_score_request(body: bytes, max_candidates: int | None = None, max_time
     if missing:
         raise bad_request("missing_field", f"missing field(s) {missing}")
     user_id = _non_negative_int(doc["user_id"], "user_id")
-    request_time_ms = _non_negative_int(doc["request_time_ms"], "request_time_ms")
+    request_time_ms = _time_ms(doc["request_time_ms"], "request_time_ms")
     candidates = doc["candidate_video_ids"]
     if not isinstance(candidates, list):
         raise bad_request("invalid_field", f"candidate_video_ids must be a list of video ids, got {_show(candidates)}")
@@ -102,9 +102,7 @@ def parse_score_request(body: bytes, max_candidates: int | None = None, max_time
     if not (all(type(v) is int for v in candidates) and min(candidates) >= 0 and max(candidates) <= MAX_ID):
         for i, video in enumerate(candidates):  # name the first bad one (bool is not an id: type(True) is bool)
             _non_negative_int(video, f"candidate_video_ids[{i}]")
-    request_id = doc.get("request_id")
-    if request_id is not None and (not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID_CHARS):
-        raise bad_request("invalid_field", f"request_id must be a string of at most {MAX_REQUEST_ID_CHARS} characters")
+    request_id = _optional_text(doc.get("request_id"), "request_id", min_chars=0)
     events = None
     if "events" in doc:
         records = doc["events"]
@@ -153,15 +151,39 @@ def parse_events_request(body: bytes, max_events: int = DEFAULT_MAX_EVENTS, max_
     records = doc["events"]
     if isinstance(records, list) and len(records) > max_events:
         raise RequestError(413, "too_many_events", f"{len(records)} events in one request, at most {max_events}")
-    batch_id = doc.get("batch_id")
-    if batch_id is not None and (not isinstance(batch_id, str) or not 0 < len(batch_id) <= MAX_REQUEST_ID_CHARS):
-        raise bad_request("invalid_field", f"batch_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters")
+    batch_id = _optional_text(doc.get("batch_id"), "batch_id", min_chars=1)
     return parse_event_records(records, max_time_ms=max_time_ms), batch_id
 
 
 def _non_negative_int(value: object, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ID:
         raise bad_request("invalid_field", f"{field} must be an integer in [0, 2**63), got {_show(value)}")
+    return value
+
+
+def _optional_text(value: object, field: str, min_chars: int) -> str | None:
+    """An id string (request_id, batch_id): at most MAX_REQUEST_ID_CHARS, valid Unicode (JSON's escapes
+    can spell a lone surrogate, which no UTF-8 store or log takes)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not min_chars <= len(value) <= MAX_REQUEST_ID_CHARS:
+        size = "a non-empty string" if min_chars else "a string"
+        raise bad_request("invalid_field", f"{field} must be {size} of at most {MAX_REQUEST_ID_CHARS} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise bad_request("invalid_field", f"{field} holds a lone surrogate at character {err.start}: "
+                                           "it must be valid Unicode") from None
+    return value
+
+
+def _time_ms(value: object, field: str) -> int:
+    """A request time: in the range events may have (history/events.py), which also keeps it inside
+    the 42 bits a token stamp holds (model/attention/token_stamp.py)."""
+    low, high = TIME_MS_RANGE
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise bad_request("invalid_field", f"{field} must be epoch milliseconds in [{low}, {high}] "
+                                           f"({TIME_MS_RANGE_TEXT}), got {_show(value)}")
     return value
 
 

@@ -28,14 +28,16 @@ import json
 import logging
 import sys
 import time
+import zlib
 
 import aiohttp
 import redis.asyncio as aioredis
 
 from serve.forwarder import ForwardError, NodeConnections
 from serve.http_app import run_until_signal
+from serve.http_limits import ServerLimits, add_limit_arguments, limits_from_args
 from serve.http_routes import Request, Response, Routes
-from serve.http_server import HttpServer, ServerLimits
+from serve.http_server import HttpServer
 from serve.index_mirror import IndexMirror
 from serve.locality_index import Holding, LocalityIndexReader
 from serve.metrics import CONTENT_TYPE, FINE_LATENCY_BUCKETS_S, LATENCY_BUCKETS_S, Registry
@@ -115,15 +117,17 @@ class Router:
 
     async def events(self, request: Request) -> Response:
         """To the node the first event's user would be scored on: any node appends to the shared store,
-        and a retry on another node after a failed forward stores nothing twice."""
+        and a retry on another node after a failed forward stores nothing twice. An empty batch with a
+        batch_id goes to a node too: only the store knows whether that id was used for other events."""
         arrived = time.perf_counter()
         try:
-            events, _ = parse_events_request(request.body, self.max_events)
+            events, batch_id = parse_events_request(request.body, self.max_events)
         except RequestError as err:
             return self._answer_error(err)
-        if not len(events):
+        if not len(events) and batch_id is None:
             return Response.json({"appended": 0, "duplicates": 0, "late": 0, "replayed": False})
-        return await self._forward("/events", request.body, int(events.user_id[0]), arrived)
+        user_id = int(events.user_id[0]) if len(events) else zlib.crc32(batch_id.encode())
+        return await self._forward("/events", request.body, user_id, arrived)
 
     async def _forward(self, path: str, body: bytes, user_id: int, arrived: float) -> Response:
         """Forward to the node the policy picks for `user_id`; on a failed or refused forward, to the next."""
@@ -311,13 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forward_timeout_s", type=float, default=30.0)
     p.add_argument("--request_deadline_s", type=float, default=None,
                    help="a request's every attempt together, failovers included (default: --forward_timeout_s)")
-    p.add_argument("--max_connections", type=int, default=ServerLimits.max_connections,
-                   help="client connections held at once; beyond it 503 and close (keep under `ulimit -n`)")
-    p.add_argument("--header_timeout_s", type=float, default=ServerLimits.header_timeout_s)
-    p.add_argument("--body_timeout_s", type=float, default=ServerLimits.body_timeout_s)
-    p.add_argument("--keep_alive_timeout_s", type=float, default=ServerLimits.keep_alive_timeout_s)
-    p.add_argument("--max_held_body_bytes", type=int, default=ServerLimits.max_held_body_bytes,
-                   help="request bodies held at once over all connections; past it new bodies wait unread")
+    add_limit_arguments(p)
     p.add_argument("--probe_interval_s", type=float, default=0.5)
     p.add_argument("--probe_timeout_s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=None, help="random policy seed")
@@ -336,9 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                              load_slack=args.load_slack)
         router = Router(pool, policy, args.redis_url, args.forward_timeout_s, args.probe_interval_s,
                         args.request_deadline_s)
-        limits = ServerLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout_s,
-                              body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
-                              max_held_body_bytes=args.max_held_body_bytes)
+        limits = limits_from_args(args)
     except ValueError as err:
         parser.error(str(err))
     asyncio.run(run(router, args.host, args.port, limits=limits))

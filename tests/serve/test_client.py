@@ -103,3 +103,12 @@ def test_router_urls_are_checked():
         ScoreClient([])
     with pytest.raises(ValueError, match="http://HOST:PORT"):
         ScoreClient(["https://router:8000"])
+
+
+def test_an_unknown_outcome_is_retried_with_the_same_batch_id(fake_routers):
+    unknown = (503, {"error": {"code": "outcome_unknown", "message": "no answer to the append: it may have been stored"}})
+    stalled, good = fake_routers(unknown, (200, {"appended": 0, "duplicates": 0, "late": 0, "replayed": True}))
+    answer = ScoreClient([stalled.url, good.url]).events([{"user_id": 7, "video_id": 1, "time_ms": 1_650_000_000_000}])
+    assert answer.body["replayed"] is True and answer.attempts == 2
+    batch_ids = [b["batch_id"] for b in stalled.bodies + good.bodies]
+    assert batch_ids[0] and batch_ids == [batch_ids[0]] * 2

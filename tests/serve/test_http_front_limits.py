@@ -189,3 +189,36 @@ def test_a_connection_paused_behind_a_slow_answer_is_not_timed_out():
 
     statuses, expired = run_server(scenario, _routes(gate), body_timeout_s=0.2, max_body_bytes=300_000)
     assert statuses == [200, 200] and expired == 0
+
+
+def test_the_connection_cap_is_exact_in_a_burst():
+    async def scenario(server):
+        opened = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", server.port) for _ in range(120)))
+        await until(lambda: server.refused_connections + len(server.connections) == 120, "every connection seen")
+        held, refused = len(server.connections), server.refused_connections
+        answers = await asyncio.gather(*(asyncio.wait_for(reader.read(), 0.5) for reader, _ in opened),
+                                       return_exceptions=True)
+        for _, writer in opened:
+            writer.close()
+        return held, refused, sum(isinstance(a, bytes) and a.startswith(b"HTTP/1.1 503") for a in answers)
+
+    held, refused, answered_503 = run_server(scenario, _routes(), max_connections=50)
+    assert (held, refused, answered_503) == (50, 70, 70)
+
+
+@pytest.mark.parametrize("length, status", [(b"0" * 4995 + b"12345", 200), (b"0" * 4990 + b"9" * 10, 413)],
+                         ids=["zeros-then-a-small-length", "zeros-then-a-large-length"])
+def test_a_content_length_of_thousands_of_digits_is_answered_without_a_traceback(length, status, caplog):
+    body = b"x" * 12345 if status == 200 else b""
+
+    async def scenario(server):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: " + length + b"\r\n\r\n" + body)
+        answer = await read_answer(reader)
+        writer.close()
+        return answer
+
+    got, _, answer = run_server(scenario, _routes())
+    assert got == status
+    assert (json.loads(answer)["size"] == 12345) if status == 200 else (json.loads(answer)["error"]["code"] == "body_too_large")
+    assert not [r for r in caplog.records if r.exc_info]

@@ -8,11 +8,14 @@ node, sees every one of them.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +33,8 @@ from serve.visits import visit_queries
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 30.0
 NODE_ARGS = ["--kv_pages", "512", "--max_wait_ms", "1", "--sync_offload", "--max_candidates", "64", "--max_events", "500"]
+BODY_TIMEOUT_S = 3.0  # the nodes' header and body deadlines: short, the test's waits are ten times longer
+LIVE_NODE_ARGS = [*NODE_ARGS, "--body_timeout_s", str(BODY_TIMEOUT_S), "--header_timeout_s", str(BODY_TIMEOUT_S)]
 
 
 def post(url: str, path: str, doc: object) -> tuple[int, dict]:
@@ -52,7 +57,7 @@ class LiveCluster:
         with SQLiteHistoryStore(self.store_path) as store:
             bootstrap_from_output(store, self.data_dir, until_ms=self.split, progress=False)
         self.url = f"sqlite://{self.store_path}"
-        self.nodes = [start_node(None, self.checkpoint, tmp / "logs", extra_args=NODE_ARGS, history_store=self.url)
+        self.nodes = [start_node(None, self.checkpoint, tmp / "logs", extra_args=LIVE_NODE_ARGS, history_store=self.url)
                       for _ in range(2)]
         self.router = start_router([n.address for n in self.nodes], "sticky-hash", tmp / "logs",
                                    extra_args=["--probe_interval_s", "0.2"])
@@ -118,6 +123,7 @@ def test_retries_are_idempotent_and_conflicts_refused(live):
     ({"events": [{"user_id": -1, "video_id": 2, "time_ms": 1650000000000}]}, 400, "invalid_event", "user_id"),
     ({"events": [{"user_id": 1, "video_id": 2, "time_ms": 1650000000000}] * 501}, 413, "too_many_events", "501"),
     ({"events": [], "batch": 1}, 400, "unknown_field", "batch"),
+    ({"events": [], "batch_id": "a\ud800"}, 400, "invalid_field", "batch_id holds a lone surrogate"),
     ({"user_id": 3, "request_time_ms": 1650000000000, "candidate_video_ids": [1],
       "events": [{"user_id": 4, "video_id": 2, "time_ms": 1650000000000}]}, 400, "invalid_event", "user_id"),
 ])
@@ -142,6 +148,60 @@ def test_a_user_never_seen_is_served_from_inline_events(live):
     assert (status, answer["error"]["code"]) == (422, "no_history")
     metrics = urllib.request.urlopen(f"{live.nodes[0].url}/metrics", timeout=TIMEOUT_S).read().decode()
     assert 'hstu_history_events_total{outcome="appended"}' in metrics
+
+
+def test_a_refused_visit_says_what_its_inline_events_stored(live):
+    user, t = 5 * 10**7, live.split + 7000
+    events = [{"video_id": 9, "time_ms": t + 50}, {"video_id": 10, "time_ms": t + 60, "is_click": 1}]
+    early = {"user_id": user, "request_time_ms": t, "candidate_video_ids": [3], "events": events}
+    stored = [{"appended": 2, "duplicates": 0, "late": 0, "replayed": False},
+              {"appended": 0, "duplicates": 2, "late": 0, "replayed": False}]  # the retry: exact copies
+    for url, expected in zip((live.router.url, live.nodes[0].url), stored):
+        status, answer = post(url, "/score", early)
+        assert (status, answer["error"]["code"]) == (422, "no_history"), answer
+        assert answer["events_stored"] == expected
+    status, answer = post(live.router.url, "/score", {**early, "request_time_ms": t + 100})
+    assert status == 200 and answer["history_length"] == 2 and answer["events_stored"]["duplicates"] == 2
+    status, answer = post(live.router.url, "/score", {k: v for k, v in early.items() if k != "events"})
+    assert status == 422 and "events_stored" not in answer  # no inline events: nothing to say
+
+
+def test_router_and_node_agree_on_an_empty_batch(live):
+    event = {"user_id": 6 * 10**7, "video_id": 1, "time_ms": live.split + 9000}
+    assert post(live.router.url, "/events", {"events": [event], "batch_id": "used"})[0] == 200
+    for url in (live.router.url, live.nodes[0].url, live.nodes[1].url):
+        status, answer = post(url, "/events", {"events": [], "batch_id": "used"})
+        assert (status, answer["error"]["code"]) == (409, "batch_conflict"), url
+        assert post(url, "/events", {"events": []}) == (200, {"appended": 0, "duplicates": 0, "late": 0,
+                                                                 "replayed": False})
+    assert post(live.router.url, "/events", {"events": [], "batch_id": "empty"})[1]["replayed"] is False
+    assert post(live.nodes[1].url, "/events", {"events": [], "batch_id": "empty"})[1]["replayed"] is True
+
+
+def test_slow_bodies_to_a_node_are_all_closed_at_its_deadline_and_its_fds_return(live):
+    node = live.nodes[1]
+    fds = Path(f"/proc/{node.proc.pid}/fd")
+    idle = len(list(fds.iterdir()))
+    head = f"POST /events HTTP/1.1\r\nHost: {node.address}\r\nContent-Length: 1000\r\n\r\n".encode()
+
+    async def slow_bodies(count: int) -> tuple[list[bytes], float]:
+        opened = [await asyncio.open_connection(*node.address.rsplit(":", 1)) for _ in range(count)]
+        for _, writer in opened:
+            writer.write(head + b'{"events": [')  # a tenth of the body, then silence
+        started = time.monotonic()
+        answers = await asyncio.gather(*(asyncio.wait_for(reader.read(), 10 * BODY_TIMEOUT_S) for reader, _ in opened))
+        elapsed = time.monotonic() - started
+        for _, writer in opened:
+            writer.close()
+        return answers, elapsed
+
+    answers, elapsed = asyncio.run(slow_bodies(200))
+    assert all(a.startswith(b"HTTP/1.1 408") and b"request_timeout" in a for a in answers)
+    assert elapsed < 10 * BODY_TIMEOUT_S  # each read above is bounded by that too: none hung
+    deadline = time.monotonic() + 10 * BODY_TIMEOUT_S
+    while len(list(fds.iterdir())) > idle and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(list(fds.iterdir())) <= idle
 
 
 def test_a_node_killed_while_ingesting_loses_no_acknowledged_event(live, tmp_path):

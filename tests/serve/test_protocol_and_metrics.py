@@ -4,7 +4,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from data.schema import TIME_MS_RANGE
 from serve.metrics import Registry, histogram_quantile, parse_samples
 from serve.protocol import ScoreQuery, parse_score_request
 
@@ -28,7 +31,11 @@ def test_a_good_request_parses():
     (body(extra=1), 400, "unknown_field", "['extra']"),
     (body(user_id="3"), 400, "invalid_field", 'user_id must be an integer in [0, 2**63), got "3"'),
     (body(user_id=True), 400, "invalid_field", "user_id must be an integer"),
-    (body(request_time_ms=-1), 400, "invalid_field", "request_time_ms must be an integer in [0, 2**63), got -1"),
+    (body(request_time_ms=-1), 400, "invalid_field", "request_time_ms must be epoch milliseconds in [946684800000, "),
+    (body(request_time_ms=2**42), 400, "invalid_field", f"got {2**42}"),
+    (body(request_time_ms=1.5e12), 400, "invalid_field", "request_time_ms must be epoch milliseconds"),
+    (b'{"user_id": 3, "request_time_ms": 1650000000000, "candidate_video_ids": [5], "request_id": "\\ud800"}',
+     400, "invalid_field", "request_id holds a lone surrogate"),
     (body(candidate_video_ids=5), 400, "invalid_field", "candidate_video_ids must be a list"),
     (body(candidate_video_ids=[]), 400, "invalid_field", "user 3: candidate_video_ids is empty"),
     (body(candidate_video_ids=[1, 2.5]), 400, "invalid_field", "candidate_video_ids[1] must be an integer"),
@@ -45,6 +52,25 @@ def test_bad_requests_are_refused_with_status_code_and_message(raw, status, code
     assert (err.status, err.code) == (status, code)
     assert message in err.message
     assert err.to_json() == {"error": {"code": code, "message": err.message}}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.integers(), st.integers(*TIME_MS_RANGE), st.sampled_from([TIME_MS_RANGE[0] - 1, TIME_MS_RANGE[1] + 1])))
+def test_a_request_time_is_taken_only_where_the_model_can_stamp_it(time_ms):
+    """What the protocol takes, a token stamp holds (the packing raises past its 42 bits, failing the batch)."""
+    import numpy as np
+
+    from model.attention.token_stamp import token_stamps
+    from serve.protocol import RequestError
+
+    if TIME_MS_RANGE[0] <= time_ms <= TIME_MS_RANGE[1]:
+        assert parse_score_request(body(request_time_ms=time_ms)).request_time_ms == time_ms
+        assert token_stamps(np.array([time_ms]), np.array([1])).tolist() != [-1]
+    else:
+        with pytest.raises(RequestError) as caught:
+            parse_score_request(body(request_time_ms=time_ms))
+        assert (caught.value.status, caught.value.code) == (400, "invalid_field")
+        assert caught.value.message.startswith(f"request_time_ms must be epoch milliseconds in {list(TIME_MS_RANGE)}")
 
 
 def test_exposition_format_and_round_trip():
@@ -81,3 +107,16 @@ def test_registries_are_per_process_part():
     first.counter("x_total", "X.").inc(3)
     second.counter("x_total", "X.").inc()
     assert parse_samples(first.render())["x_total"] == 3 and parse_samples(second.render())["x_total"] == 1
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b'{"events": [], "batch_id": "a\\ud800b"}', "batch_id holds a lone surrogate at character 1"),
+    (b'{"events": [], "batch_id": ""}', "batch_id must be a non-empty string"),
+])
+def test_a_batch_id_that_no_store_can_hold_is_refused(raw, message):
+    from serve.protocol import RequestError, parse_events_request
+
+    with pytest.raises(RequestError) as caught:
+        parse_events_request(raw)
+    assert (caught.value.status, caught.value.code) == (400, "invalid_field")
+    assert message in caught.value.message
