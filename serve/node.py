@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from serve import node_args
+from serve.auth import node_middleware
+from serve.auth_tokens import NodeTokens
 from serve.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
 from serve.http_app import serve_until_signal
 from serve.ingest import Ingestor, append_result_json
@@ -79,9 +81,10 @@ class Node:
     """The HTTP layer: parse, check, queue, answer. The work is the engine's, on one compute thread."""
 
     def __init__(self, engine, node_id: str, max_batch_size: int, max_wait_s: float, max_queue: int, admin: bool = False,
-                 max_events: int = DEFAULT_MAX_EVENTS):
+                 max_events: int = DEFAULT_MAX_EVENTS, router_tokens: NodeTokens | None = None):
         self.engine = engine
         self.max_events = max_events
+        self.router_tokens = router_tokens  # serve/auth.py: None answers anyone
         self.node_id = node_id
         self.admin = admin
         self.publisher = None
@@ -110,7 +113,7 @@ class Node:
         return results
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=node_middleware(self.router_tokens))
         app.router.add_post("/score", self.score)
         app.router.add_post("/events", self.events)
         app.router.add_get("/health", self.health)
@@ -273,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         cuda_graphs=args.cuda_graphs,
     )
     try:
+        router_tokens = None if args.router_token_file is None else NodeTokens(args.router_token_file)
         engine = open_engine(config)
     except (FileNotFoundError, ValueError, HistoryUnavailableError) as err:
         log.error("cannot start: %s", err)
@@ -280,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     warmed = engine.warm_up()  # before the server listens: /health answers only once every variant is compiled
     log.info("warmed %d attention variant(s) in %.1f s", len(warmed.variants), warmed.seconds)
     node = Node(engine, node_id, args.max_batch_size, args.max_wait_ms / 1000.0, args.max_queue, admin=args.admin,
-                max_events=args.max_events)
+                max_events=args.max_events, router_tokens=router_tokens)
     if args.redis_url is not None:
         node.publisher = index_publisher(args, engine, node)
     asyncio.run(run(node, args.host, args.port))
