@@ -90,7 +90,17 @@ class HistoryStore(ABC):
         """[U] ascending: every user with a stored event."""
 
     @abstractmethod
-    def num_events(self) -> int: ...
+    def num_events(self) -> int:
+        """Events stored whole (under a retention rule, not those folded into counters)."""
+
+    @property
+    def retention(self):
+        """The store's retention rule (history/retention.py), None when it keeps every event."""
+        return None
+
+    def set_retention(self, retention) -> int:
+        """Keep each user's last events and the counters the model reads of the rest (history/retention.py)."""
+        raise NotImplementedError(f"{self.description}: this store keeps every event (retention: the SQLite store)")
 
     @abstractmethod
     def get_manifest(self) -> Manifest | None:

@@ -104,12 +104,17 @@ def _add(a: AppendResult, b: AppendResult) -> AppendResult:
     return AppendResult(a.appended + b.appended, a.duplicates + b.duplicates, a.late + b.late)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Fill a history store from a preprocessed output (or raw logs).")
     p.add_argument("--store", required=True, help="history store URL (sqlite:///path, redis://host:port/db)")
     p.add_argument("--data_dir", required=True, help="preprocessed output: events, user features, vocabularies")
     p.add_argument("--raw_dir", default=None, help="take the events from these raw logs instead (every column)")
     p.add_argument("--until_date", type=int, default=None, help="YYYYMMDD: only events before that day (Beijing)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     until = None if args.until_date is None else schema.beijing_midnight_ms(args.until_date)
     if args.raw_dir is not None and until is not None:

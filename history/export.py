@@ -54,6 +54,9 @@ def export_store(store: HistoryStore, out_dir: Path | str, params: PreprocessPar
 
     Raises ExportError for a store without a manifest or without events, ValueError for bad
     params and output.OutputDirError for an unsafe `out_dir`; nothing is written then."""
+    if store.retention is not None:
+        raise ExportError(f"{store.description} folds each user's events beyond the last {store.retention.keep_events} "
+                          "into counters (history/retention.py): an export would hold stand-ins, not the events")
     stored = store.get_manifest()
     if stored is None:
         raise ExportError(

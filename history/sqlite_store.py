@@ -12,9 +12,11 @@ Tables (one B-tree each, besides the rowid table):
              which also serves a user's history by (user_id, time_ms)
     events_by_video (video_id, time_ms, action_weights): the video counters, a covering range count
     users    user_id -> encoded features;  batches  batch_id -> digest + result;  meta  key -> value
+    folded_* the counters of events a retention rule folded (history/sqlite_retention.py)
 """
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import threading
 from pathlib import Path
@@ -25,8 +27,10 @@ from data.event_rules import EVENT_KEY_COLUMNS
 from data.manifest import Manifest
 from data.schema import COUNTED_TASKS, TASKS
 from data.user_histories import EventArrays
+from history import sqlite_retention as retained
 from history.base import AppendResult, BatchConflictError, HistoryStore, HistoryUnavailableError, batch_digest
 from history.events import EventBatch
+from history.retention import Retention
 
 _KEYS = ", ".join(EVENT_KEY_COLUMNS)
 _SCHEMA = f"""
@@ -55,7 +59,7 @@ class SQLiteHistoryStore(HistoryStore):
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
         with self._write_lock:
-            self._connection().executescript(_SCHEMA)
+            self._connection().executescript(_SCHEMA + retained.SCHEMA)
 
     @property
     def description(self) -> str:
@@ -97,7 +101,7 @@ class SQLiteHistoryStore(HistoryStore):
                             if row[0] != digest:
                                 raise BatchConflictError(f"batch_id {batch_id!r} was used before for other events")
                             return AppendResult(row[1], row[2], row[3], replayed=True)
-                    result = self._insert(conn, events)
+                    result = self._insert_retained(conn, events)
                     if batch_id is not None:
                         conn.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?)",
                                      (batch_id, digest, result.appended, result.duplicates, result.late))
@@ -109,6 +113,30 @@ class SQLiteHistoryStore(HistoryStore):
             except sqlite3.Error as err:
                 raise HistoryUnavailableError(f"{self.description}: append failed, nothing stored: {err}") from err
         return result
+
+    def _insert_retained(self, conn: sqlite3.Connection, events: EventBatch) -> AppendResult:
+        """`_insert` under the store's retention rule, if it has one: events in a user's folded past
+        count as duplicates, and users past `keep_events` are folded."""
+        retention = retained.load_retention(conn)
+        if retention is None:
+            return self._insert(conn, events)
+        events, folded_past = retained.drop_folded_past(conn, events)
+        result = self._insert(conn, events)
+        retained.fold_users(conn, np.unique(events.user_id).tolist(), retention.keep_events)
+        return dataclasses.replace(result, duplicates=result.duplicates + folded_past)
+
+    def set_retention(self, retention: Retention) -> int:
+        """Keep each user's last `retention.keep_events` events from now on, folding the rest now -> events folded."""
+        def fold_all(conn: sqlite3.Connection) -> int:
+            retained.save_retention(conn, retention)
+            users = [r[0] for r in conn.execute("SELECT DISTINCT user_id FROM events").fetchall()]
+            return retained.fold_users(conn, users, retention.keep_events)
+
+        return self._in_write_transaction(fold_all, "setting retention failed, nothing changed")
+
+    @property
+    def retention(self) -> Retention | None:
+        return retained.load_retention(self._connection())
 
     def _insert(self, conn: sqlite3.Connection, events: EventBatch) -> AppendResult:
         users = np.unique(events.user_id).tolist()
@@ -137,14 +165,18 @@ class SQLiteHistoryStore(HistoryStore):
         self._write("INSERT OR REPLACE INTO meta VALUES (?, ?)", [("manifest", manifest.to_json())])
 
     def _write(self, sql: str, rows: list[tuple]) -> None:
+        self._in_write_transaction(lambda conn: conn.executemany(sql, rows), "write failed, nothing stored")
+
+    def _in_write_transaction(self, work, failure: str):
+        """`work(conn)` in one write transaction: all of it or, on a database error, none."""
         with self._write_lock:
             conn = self._connection()
             try:
                 with conn:
                     conn.execute("BEGIN IMMEDIATE")
-                    conn.executemany(sql, rows)
+                    return work(conn)
             except sqlite3.Error as err:
-                raise HistoryUnavailableError(f"{self.description}: write failed, nothing stored: {err}") from err
+                raise HistoryUnavailableError(f"{self.description}: {failure}: {err}") from err
 
     # ------------------------------------------------------------ reads
     def read(self, user_ids: np.ndarray, until_ms: np.ndarray) -> EventArrays:
@@ -153,20 +185,25 @@ class SQLiteHistoryStore(HistoryStore):
         parts, lengths = [], []
         try:
             conn.execute("BEGIN")  # one consistent view of every user of the batch
+            retention = retained.load_retention(conn)
             for user, until in zip(users.tolist(), np.asarray(until_ms, dtype=np.int64).tolist()):
                 rows = conn.execute(
                     "SELECT time_ms, seq, video_id, action_weights FROM events WHERE user_id = ? AND time_ms < ?",
                     (user, until)).fetchall()
                 part = np.array(rows, dtype=np.int64).reshape(-1, 4)
+                if retention is not None:  # stand-ins (seq -1) sort before the kept events
+                    part = np.concatenate([retained.stand_in_rows(conn, user, until, len(part), retention), part])
                 parts.append(part[np.lexsort((part[:, 1], part[:, 0]))])
                 lengths.append(len(part))
             features = self._features(conn, users)
             conn.execute("COMMIT")
             self.read_round_trips += len(users) + 4  # BEGIN, one per user, manifest + features, COMMIT
-        except sqlite3.Error as err:
+        except BaseException as err:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            raise HistoryUnavailableError(f"{self.description}: read failed: {err}") from err
+            if isinstance(err, sqlite3.Error):
+                raise HistoryUnavailableError(f"{self.description}: read failed: {err}") from err
+            raise
         flat = np.concatenate(parts) if parts else np.zeros((0, 4), np.int64)
         offsets = np.zeros(len(users) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -204,6 +241,8 @@ class SQLiteHistoryStore(HistoryStore):
                 for i, *row in rows:
                     out[i] = row
                 self.read_round_trips += 1
+            if retained.load_retention(conn) is not None:
+                retained.add_folded_video_counts(conn, keys, out)
         except sqlite3.Error as err:
             raise HistoryUnavailableError(f"{self.description}: counters read failed: {err}") from err
         return out[inverse.reshape(-1)]

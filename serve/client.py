@@ -49,7 +49,8 @@ class ScoreClient:
     """Thread-safe: each call opens its own connection, and only the starting router is shared state."""
 
     def __init__(self, routers: Sequence[str], timeout_s: float = 30.0, deadline_s: float = 60.0,
-                 backoff_s: float = 0.05, max_backoff_s: float = 1.0) -> None:
+                 backoff_s: float = 0.05, max_backoff_s: float = 1.0, token: str | None = None) -> None:
+        """`token`: the bearer token the routers know this client by (serve/auth.py), if they check."""
         if not routers:
             raise ValueError("ScoreClient needs at least one router URL")
         self.routers = [_host_port(url) for url in routers]
@@ -58,6 +59,7 @@ class ScoreClient:
         self.deadline_s = deadline_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
         self._next_start = itertools.count()  # spreads requests over the routers
         self._lock = threading.Lock()
 
@@ -108,7 +110,7 @@ class ScoreClient:
     def _post(self, host_port: tuple[str, int], path: str, body: bytes) -> tuple[int, dict]:
         conn = http.client.HTTPConnection(*host_port, timeout=self.timeout_s)
         try:
-            conn.request("POST", path, body, {"Content-Type": "application/json"})
+            conn.request("POST", path, body, self._headers)
             response = conn.getresponse()
             raw = response.read()
         finally:

@@ -242,6 +242,12 @@ def open_engine(config: EngineConfig) -> ScoringEngine:
             history.close()
             raise CheckpointError(f"{where} was never bootstrapped (python -m history.bootstrap): the user-feature "
                                   f"vocabularies {config.checkpoint} was trained with are unknown to it")
+        if history.retention is not None:  # every window the model reads must lie within the kept events
+            try:
+                history.retention.check_model(model.config)
+            except ValueError:
+                history.close()
+                raise
     else:
         if config.data_dir is None:
             raise ValueError("a node needs a history store (history_store) or a preprocessed dataset (data_dir)")

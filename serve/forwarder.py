@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+from collections.abc import Callable
 
 MAX_IDLE = 64  # idle connections kept per node
 
@@ -27,9 +28,11 @@ _Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 class NodeConnections:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, authorization: Callable[[], bytes] = bytes) -> None:
+        """`authorization`: the header line(s) each request carries, asked per request (a rotated token)."""
         self.host = host
         self.port = port
+        self.authorization = authorization
         self._idle: list[_Connection] = []
 
     async def post(self, path: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
@@ -52,7 +55,7 @@ class NodeConnections:
         try:
             if connection is None:
                 connection = await asyncio.open_connection(self.host, self.port)
-            status, payload, keep = await _exchange(*connection, self.host, path, body)
+            status, payload, keep = await _exchange(*connection, self.host, path, body, self.authorization())
         except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as err:
             if connection is not None:
                 _close(connection)
@@ -84,9 +87,9 @@ else:  # pragma: no cover - Python 3.10
 
 
 async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, path: str,
-                    body: bytes) -> tuple[int, bytes, bool]:
-    writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                 % (path.encode(), host.encode(), len(body)) + body)
+                    body: bytes, extra_headers: bytes = b"") -> tuple[int, bytes, bool]:
+    writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n"
+                 % (path.encode(), host.encode(), extra_headers, len(body)) + body)
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head[:-4].split(b"\r\n")

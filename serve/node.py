@@ -31,6 +31,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from serve import node_args
+from serve.auth import node_guard
+from serve.auth_tokens import NodeTokens
 from serve.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
 from serve.http_app import run_until_signal
 from serve.http_limits import ServerLimits, limits_from_args
@@ -81,9 +83,10 @@ class Node:
     """The HTTP layer: parse, check, queue, answer. The work is the engine's, on one compute thread."""
 
     def __init__(self, engine, node_id: str, max_batch_size: int, max_wait_s: float, max_queue: int, admin: bool = False,
-                 max_events: int = DEFAULT_MAX_EVENTS):
+                 max_events: int = DEFAULT_MAX_EVENTS, router_tokens: NodeTokens | None = None):
         self.engine = engine
         self.max_events = max_events
+        self.router_tokens = router_tokens  # serve/auth.py: None answers anyone
         self.node_id = node_id
         self.admin = admin
         self.publisher = None
@@ -113,8 +116,8 @@ class Node:
 
     def routes(self) -> Routes:
         routes = Routes()
-        routes.add("POST", "/score", self.score)
-        routes.add("POST", "/events", self.events)
+        routes.add("POST", "/score", node_guard(self.router_tokens, self.score))
+        routes.add("POST", "/events", node_guard(self.router_tokens, self.events))
         routes.add("GET", "/health", self.health)
         routes.add("GET", "/metrics", self.metrics_text)
         if self.admin:
@@ -270,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.torch_threads)
     node_id = args.node_id or f"{args.host}:{args.port}"
     try:
+        router_tokens = None if args.router_token_file is None else NodeTokens(args.router_token_file)
         engine = open_engine(node_args.engine_config(args))
     except (FileNotFoundError, ValueError, HistoryUnavailableError) as err:
         log.error("cannot start: %s", err)
@@ -277,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     warmed = engine.warm_up()  # before the server listens: /health answers only once every variant is compiled
     log.info("warmed %d attention variant(s) in %.1f s", len(warmed.variants), warmed.seconds)
     node = Node(engine, node_id, args.max_batch_size, args.max_wait_ms / 1000.0, args.max_queue, admin=args.admin,
-                max_events=args.max_events)
+                max_events=args.max_events, router_tokens=router_tokens)
     if args.redis_url is not None:
         node.publisher = index_publisher(args, engine, node)
     asyncio.run(run(node, args.host, args.port, limits_from_args(args)))

@@ -52,6 +52,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--index_ttl_s", type=float, default=3.0,
                    help="a node's index entries expire this long after its last heartbeat")
     add_limit_arguments(p)  # what a client may hold of the node, as of a router (serve/http_server.py)
+    p.add_argument("--router_token_file", default=None,
+                   help="accept only requests bearing a token of this file (one a line: the routers'); /health and "
+                        "/metrics stay open. Re-read when it changes. Default: no authentication")
     p.add_argument("--admin", action="store_true", help="serve POST /admin/reset_cache (benchmarks only)")
     p.add_argument("--log_level", default="INFO")
     return p

@@ -9,6 +9,8 @@
     GET  /health   -> 200 {"status": "ok", "policy", "nodes": [...]} | 503 when no node is up
     GET  /metrics  -> Prometheus text
     GET  /route/{user_id} -> where a request of the user would go now, and why (nothing is forwarded)
+    With --client_tokens: 401 / 403 before any of the above but /health and /metrics, and with
+    --events_per_s 429 past a client's events rate (serve/auth.py)
 
 `kv-aware` reads the locality index (serve/locality_index.py) in the Redis of `--redis_url`,
 under the fingerprint of the model the nodes report on /health, through an in-memory mirror
@@ -33,6 +35,7 @@ import zlib
 import aiohttp
 import redis.asyncio as aioredis
 
+from serve.auth import RouterGate, add_router_flags, router_gate
 from serve.forwarder import ForwardError, NodeConnections
 from serve.http_app import run_until_signal
 from serve.http_limits import ServerLimits, add_limit_arguments, limits_from_args
@@ -73,7 +76,8 @@ class RouterMetrics:
 class Router:
     def __init__(self, pool: NodePool, policy: RoutingPolicy, redis_url: str | None = None,
                  forward_timeout_s: float = 30.0, probe_interval_s: float = 0.5,
-                 request_deadline_s: float | None = None, max_events: int = DEFAULT_MAX_EVENTS) -> None:
+                 request_deadline_s: float | None = None, max_events: int = DEFAULT_MAX_EVENTS,
+                 gate: RouterGate | None = None) -> None:
         if policy.uses_index and redis_url is None:
             raise ValueError(f"policy {policy.name} reads the locality index: give --redis_url")
         self.pool = pool
@@ -83,7 +87,9 @@ class Router:
         self.max_events = max_events
         # every attempt of one request together, failovers included (default: one forward's timeout)
         self.request_deadline_s = forward_timeout_s if request_deadline_s is None else request_deadline_s
-        self._connections = {n.address: NodeConnections(*_host_port(n.address)) for n in pool.nodes}
+        self.gate = gate or RouterGate(None, None, None)  # serve/auth.py: open unless configured
+        self._connections = {n.address: NodeConnections(*_host_port(n.address), self.gate.node_authorization)
+                             for n in pool.nodes}
         self.probe_interval_s = probe_interval_s
         self.registry = Registry()
         self.metrics = RouterMetrics(self.registry, pool)
@@ -99,11 +105,11 @@ class Router:
 
     def routes(self) -> Routes:
         routes = Routes()
-        routes.add("POST", "/score", self.score)
-        routes.add("POST", "/events", self.events)
+        routes.add("POST", "/score", self.gate.guard("score", self.score))
+        routes.add("POST", "/events", self.gate.guard("events", self.events))
         routes.add("GET", "/health", self.health)
         routes.add("GET", "/metrics", self.metrics_text)
-        routes.add_prefix("GET", "/route/", self.route)
+        routes.add_prefix("GET", "/route/", self.gate.guard("score", self.route))
         return routes
 
     # ------------------------------------------------------------------ handlers
@@ -113,6 +119,9 @@ class Router:
             query = parse_score_request(request.body, max_events=self.max_events)
         except RequestError as err:
             return self._answer_error(err)
+        refusal = self.gate.admit_events(len(query.events) if query.events is not None else 0)
+        if refusal is not None:
+            return refusal
         return await self._forward("/score", request.body, query.user_id, arrived)
 
     async def events(self, request: Request) -> Response:
@@ -124,6 +133,9 @@ class Router:
             events, batch_id = parse_events_request(request.body, self.max_events)
         except RequestError as err:
             return self._answer_error(err)
+        refusal = self.gate.admit_events(len(events))
+        if refusal is not None:
+            return refusal
         if not len(events) and batch_id is None:
             return Response.json({"appended": 0, "duplicates": 0, "late": 0, "replayed": False})
         user_id = int(events.user_id[0]) if len(events) else zlib.crc32(batch_id.encode())
@@ -319,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe_interval_s", type=float, default=0.5)
     p.add_argument("--probe_timeout_s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=None, help="random policy seed")
+    add_router_flags(p)
     p.add_argument("--log_level", default="INFO")
     return p
 
@@ -333,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         policy = make_policy(args.policy, seed=args.seed, queue_cost_tokens=args.queue_cost_tokens,
                              load_slack=args.load_slack)
         router = Router(pool, policy, args.redis_url, args.forward_timeout_s, args.probe_interval_s,
-                        args.request_deadline_s)
+                        args.request_deadline_s, gate=router_gate(args, DEFAULT_MAX_EVENTS))
         limits = limits_from_args(args)
     except ValueError as err:
         parser.error(str(err))

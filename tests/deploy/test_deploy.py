@@ -38,7 +38,8 @@ def container(resource: dict) -> dict:
 
 def test_the_deployment_files_are_there():
     assert {p.name for p in MANIFESTS} >= {"redis.yaml", "router.yaml", "node-cpu.yaml", "node-cuda.yaml",
-                                           "prometheus.yaml", "artifacts.yaml"}
+                                           "prometheus.yaml", "artifacts.yaml", "redis-history.yaml",
+                                           "bootstrap.yaml", "network-policy.yaml"}
     assert {p.name for p in DOCKERFILES} == {"Dockerfile.cpu", "Dockerfile.cuda"}
 
 
@@ -79,7 +80,7 @@ def test_the_images_install_with_the_projects_pins_and_copy_what_setup_reads(pat
     copied = [src for line in text.splitlines() if line.startswith("COPY ") and "--from" not in line
               for src in line.split()[1:-1]]
     needed = ["setup.py", "constraints.txt", *(p.name for p in REPO_ROOT.glob("requirements*.txt")),
-              "data", "kvcache", "model", "serve"]
+              "data", "kvcache", "model", "serve", "history"]
     missing = [n for n in needed if not any(fnmatch.fnmatch(n, pattern) for pattern in copied)]
     assert not missing, f"{path.name} does not copy {missing}"
 
@@ -107,9 +108,25 @@ def test_the_nodes_flags_probes_and_drain(device):
     gpus = spec["resources"]["limits"].get("nvidia.com/gpu")
     assert gpus == (1 if device == "cuda" else None)
     mounts = {m["mountPath"]: m for m in spec["volumeMounts"]}
-    assert mounts["/artifacts"]["readOnly"] and args.data_dir.startswith("/artifacts/")
+    assert mounts["/artifacts"]["readOnly"] and args.checkpoint.startswith("/artifacts/")
     claim = nodes["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
     assert ("PersistentVolumeClaim", claim) in load("artifacts.yaml")
+    # they ingest: on the history store (not a read-only --data_dir, whose /events answers 405)
+    assert args.data_dir is None and args.history_store == "redis://hstu-history:6379/0"
+    assert ("Service", "hstu-history") in load("redis-history.yaml")
+    assert secret_file(nodes, args.router_token_file) == ("hstu-router-token", "token")
+
+
+def secret_file(workload: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) that `path` reads in `workload`'s container; mounted whole, so that a rotated
+    Secret reaches the file (a subPath mount never sees an update)."""
+    spec = container(workload)
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    for mount in spec["volumeMounts"]:
+        if path.startswith(mount["mountPath"].rstrip("/") + "/") and "secret" in volumes[mount["name"]]:
+            assert mount["readOnly"] and "subPath" not in mount, f"{path}: mount the Secret whole, read-only"
+            return volumes[mount["name"]]["secret"]["secretName"], path[len(mount["mountPath"]):].strip("/")
+    raise AssertionError(f"{path} is on no Secret volume")
 
 
 def test_cpu_and_cuda_nodes_differ_only_in_image_device_resources_and_toleration():
@@ -145,12 +162,90 @@ def test_the_routers_list_every_node_and_sit_behind_one_service():
     assert spec["readinessProbe"]["httpGet"]["path"] == "/health" and spec["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
 
 
-def test_redis_persists_with_aof():
-    redis = load("redis.yaml")[("StatefulSet", "hstu-redis")]
-    args = container(redis)["args"]
-    assert args[args.index("--appendonly") + 1] == "yes"
-    assert container(redis)["volumeMounts"][0]["mountPath"] == args[args.index("--dir") + 1]
+def redis_settings(resource: dict) -> dict[str, str]:
+    args = container(resource)["args"]
+    assert args[0] == "redis-server" and all(a.startswith("--") for a in args[1::2])
+    return {name[2:]: value for name, value in zip(args[1::2], args[2::2])}
+
+
+@pytest.mark.parametrize("name", ["redis.yaml", "redis-history.yaml"])
+def test_redis_persists_with_aof(name):
+    (redis,) = [r for (kind, _), r in load(name).items() if kind == "StatefulSet"]
+    settings = redis_settings(redis)
+    assert settings["appendonly"] == "yes"
+    assert container(redis)["volumeMounts"][0]["mountPath"] == settings["dir"]
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+
+
+def test_the_history_store_is_a_redis_of_its_own_that_fsyncs_and_never_evicts_and_the_kv_tier_evicts():
+    history = redis_settings(load("redis-history.yaml")[("StatefulSet", "hstu-history")])
+    assert history["appendfsync"] == "always"  # the store refuses anything else (history/redis_store.py)
+    assert history["maxmemory-policy"] == "noeviction"  # events are the source of truth
+    kv = redis_settings(load("redis.yaml")[("StatefulSet", "hstu-redis")])
+    assert kv["maxmemory-policy"] in ("allkeys-lru", "allkeys-lfu")  # a cache: full means evict, not refuse
+    services = {name for path in MANIFESTS for (kind, name) in load(path.name) if kind == "Service"}
+    assert {"hstu-history", "hstu-redis"} <= services
+    from serve.router import build_parser
+
+    router_args = build_parser().parse_args(container(load("router.yaml")[("Deployment", "hstu-router")])["args"][1:])
+    for device in ("cpu", "cuda"):  # the nodes keep their K/V in the cache and their events in the store
+        args = _node_args(device)
+        assert args.redis_url == router_args.redis_url == "redis://hstu-redis:6379/0"
+        assert args.history_store.startswith("redis://hstu-history:")
+
+
+def _node_args(device: str):
+    from serve.node import build_parser
+
+    return build_parser().parse_args(container(node_manifest(device))["args"][1:])
+
+
+def test_the_bootstrap_job_fills_the_nodes_store_from_the_preprocessed_data():
+    from history.bootstrap import build_parser
+
+    job = load("bootstrap.yaml")[("Job", "hstu-history-bootstrap")]
+    spec = container(job)
+    assert spec["args"][0] == "history.bootstrap" and job["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+    args = build_parser().parse_args(spec["args"][1:])
+    assert args.store == _node_args("cpu").history_store
+    node = node_manifest("cpu")
+    mounts = {m["mountPath"]: m for m in spec["volumeMounts"]}
+    assert mounts["/artifacts"]["readOnly"] and args.data_dir.startswith("/artifacts/")
+    claims = [v["persistentVolumeClaim"]["claimName"] for w in (job, node) for v in w["spec"]["template"]["spec"]["volumes"]
+              if "persistentVolumeClaim" in v]
+    assert claims == ["hstu-artifacts", "hstu-artifacts"]
+
+
+def _ingress_peers(policy: dict) -> tuple[dict, set[str]]:
+    """(the pods a NetworkPolicy guards, the app names of the pods it lets in)."""
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    peers = {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+             for rule in policy["spec"]["ingress"] for p in rule["from"]}
+    assert all(set(p) == {"podSelector"} for rule in policy["spec"]["ingress"] for p in rule["from"])  # no ipBlock
+    return policy["spec"]["podSelector"]["matchLabels"], peers
+
+
+def test_only_routers_reach_the_nodes_and_only_nodes_and_the_bootstrap_reach_the_store():
+    guarded, peers = _ingress_peers(load("network-policy.yaml")[("NetworkPolicy", "hstu-node")])
+    assert guarded == node_manifest("cpu")["spec"]["selector"]["matchLabels"]
+    router_labels = load("router.yaml")[("Deployment", "hstu-router")]["spec"]["template"]["metadata"]["labels"]
+    assert peers == {router_labels["app.kubernetes.io/name"], "hstu-prometheus"}  # Prometheus: GET /metrics only
+    guarded, peers = _ingress_peers(load("redis-history.yaml")[("NetworkPolicy", "hstu-history")])
+    assert guarded == load("redis-history.yaml")[("StatefulSet", "hstu-history")]["spec"]["selector"]["matchLabels"]
+    job_labels = load("bootstrap.yaml")[("Job", "hstu-history-bootstrap")]["spec"]["template"]["metadata"]["labels"]
+    assert peers == {"hstu-node", job_labels["app.kubernetes.io/name"]}
+
+
+def test_authentication_is_on_routers_send_the_token_nodes_accept():
+    from serve.router import build_parser
+
+    routers = load("router.yaml")[("Deployment", "hstu-router")]
+    args = build_parser().parse_args(container(routers)["args"][1:])
+    assert secret_file(routers, args.client_tokens) == ("hstu-client-tokens", "clients.tokens")
+    assert secret_file(routers, args.node_token_file) == secret_file(node_manifest("cpu"), _node_args("cpu").router_token_file)
+    from serve.protocol import DEFAULT_MAX_EVENTS
+
+    assert args.events_per_s > 0 and args.events_burst >= DEFAULT_MAX_EVENTS  # a full request fits a burst
 
 
 def test_prometheus_scrapes_the_nodes_and_routers_on_their_metrics_port():
