@@ -158,7 +158,8 @@ def read_video_side_features(path: Path) -> pa.Table | None:
     """video_id and the side features of schema.VIDEO_SIDE_COLUMNS the file has (author_id, music_id,
     video_duration in ms, upload_type), one row per video; None when it has none of them. Empty cells stay
     null (an empty upload type: empty), unknown to the model; ids must be whole numbers >= 0."""
-    present = {name: dtype for name, dtype in schema.VIDEO_SIDE_COLUMNS.items() if name in read_header(path)}
+    header = read_header(path)
+    present = {name: pa.type_for_alias(dtype) for name, dtype in schema.VIDEO_SIDE_COLUMNS.items() if name in header}
     if not present:
         return None
     types = {"video_id": pa.int64(), **{name: pa.float64() if pa.types.is_integer(t) else t for name, t in present.items()}}

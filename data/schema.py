@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 DATASET_NAME = "kuairand-1k"
 
@@ -52,8 +51,7 @@ VIDEO_BASIC_COLUMNS = (
 )  # fmt: skip
 # The side features the model embeds beside the tag (model/video_catalogue.py), and their types: the
 # preprocessor keeps those the basic video features have (`VIDEO_SIDE_FEATURES_FILE`).
-VIDEO_SIDE_COLUMNS = {"author_id": pa.int64(), "music_id": pa.int64(), "video_duration": pa.float64(),
-                      "upload_type": pa.string()}
+VIDEO_SIDE_COLUMNS = {"author_id": "int64", "music_id": "int64", "video_duration": "float64", "upload_type": "string"}
 VIDEO_STATISTIC_COLUMNS = (
     "video_id", "counts", "show_cnt", "show_user_num", "play_cnt", "play_user_num",
     "play_duration", "complete_play_cnt", "valid_play_cnt", "long_time_play_cnt",

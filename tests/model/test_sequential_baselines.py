@@ -223,9 +223,12 @@ def test_tuning_tries_the_tag_grid_only_on_tagged_visits(planted_between_tags):
 
 
 def test_an_unknown_level_is_refused_by_name():
-    for scorer in (LastItemsMarkov, SASRec):
-        with pytest.raises(ValueError, match="level must be one of 'video', 'tag', got 'cluster'"):
-            scorer(level="cluster")
+    with pytest.raises(ValueError, match="level must be one of 'video', 'tag', got 'cluster'"):
+        LastItemsMarkov(level="cluster")
+    with pytest.raises(ValueError, match="level must be one of 'video', 'tag', got 'both'"):
+        LastItemsMarkov(level="both")  # a count is over one kind of item
+    with pytest.raises(ValueError, match="level must be one of 'video', 'tag', 'both', got 'cluster'"):
+        SASRec(level="cluster")
 
 
 def _taste_visits(rng: np.random.Generator, num_visits: int, users: int = 60, kinds: int = 12) -> Visits:
