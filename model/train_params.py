@@ -41,9 +41,10 @@ class TrainParams:
     # it, so a dense catalogue's id row is read thousands of times an epoch, and at the shared features'
     # rate it would memorise its training labels instead of what it shares with the videos around it.
     id_learning_rate: float = 1e-3
-    # The per-video logit offsets: Adam moves a row by about the learning rate each time its video is
-    # seen, so a video seen a handful of times needs a large rate to reach its log-odds.
-    video_bias_learning_rate: float = 0.1
+    # The per-video logit offsets: Adam moves a row by about this rate each time its video is seen. Kept
+    # small: at a rate that lets a video seen a handful of times reach its log-odds, the rows memorise
+    # those few labels on a sparse catalogue; a video's rate over everyone is the counter term's to read.
+    video_bias_learning_rate: float = 1e-3
     # The user-taste tables (model/user_taste.py) and an L2 on the rows a batch's candidates read.
     taste_learning_rate: float = 0.02
     taste_l2: float = 0.1
@@ -82,8 +83,10 @@ class TrainParams:
     # them, False leaves them out.
     video_tags: bool | None = None
     # Rows the authors and music ids of a fresh model hash into, beside its duration and upload-type rows
-    # (HSTUConfig.side_feature_hash_size), where the dataset has video side features; 0: none.
-    side_feature_hash_size: int = 20_011
+    # (HSTUConfig.side_feature_hash_size), where the dataset has video side features; 0: none. Off by
+    # default: at the shared tables' rate the hashed author and music rows memorise like per-video rows
+    # (docs/notebook/2026-12-07-ids-and-side-features.md); they need the id rows' treatment first.
+    side_feature_hash_size: int = 0
     # The share of tokens whose video-id row is left out while training (HSTUConfig.id_dropout): the tag
     # and side features must carry a video too, as they must for a video seen once.
     id_dropout: float = 0.2

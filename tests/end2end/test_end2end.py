@@ -99,7 +99,7 @@ def test_a_recipe_shapes_the_random_model_as_training_starts_it(pipeline, tmp_pa
     result = json.loads(out.read_text())
     model = result["model"]
     assert model["tag_match_bias"] is True and model["num_video_tags"] > 1
-    assert model["side_feature_hash_size"] == TrainParams().side_feature_hash_size
+    assert model["side_feature_hash_size"] == TrainParams().side_feature_hash_size  # off by default
     assert model["attention_window"] == TrainParams().max_history_events
     assert model["video_hash_size"] > 1
     assert result["parity"] == "pass" and result["max_abs_logit_diff"] <= 1e-4

@@ -115,3 +115,16 @@ def test_preprocessing_keeps_the_side_features_of_the_basic_video_features(tmp_p
     assert table is not None and len(table.video_ids) > 0
     known = (table.feature_rows > 0).mean(axis=0)
     assert (known > 0.99).all(), dict(zip(SIDE_FEATURES, known))  # the generator fills every cell
+
+
+def test_a_fresh_model_reads_the_side_features_when_asked(tmp_path):
+    from data.dataset import InferenceDataset
+    from model.fresh_model import fresh_model
+    from model.train_params import TrainParams
+
+    dataset = InferenceDataset(build_processed(tmp_path, scale=0.002, seed=5))
+    model = fresh_model(dataset, TrainParams(preset="tiny", side_feature_hash_size=HASH_ROWS))
+    assert model.config.side_feature_hash_size == HASH_ROWS and model.side_features is not None
+    assert fresh_model(dataset, TrainParams(preset="tiny", side_feature_hash_size=0)).side_features is None
+    with pytest.raises(ValueError, match="side_feature_hash_size must be 0 \\(none\\) or >= 2, got 1"):
+        TrainParams(side_feature_hash_size=1)
