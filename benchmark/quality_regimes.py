@@ -52,7 +52,8 @@ def run_regime(regime: str, seed: int, args: argparse.Namespace) -> dict:
         (home / "quality.json", [str(BENCHMARK / "quality_benchmark.py"), "--data_dir", str(processed),
                                  "--checkpoint", str(checkpoint), "--seeds", str(seed), "--output", str(home / "quality.json"),
                                  "--max_train_seconds", str(args.max_train_seconds),
-                                 *(["--baselines", *args.baselines] if args.baselines else [])]),
+                                 *(["--baselines", *args.baselines] if args.baselines else []),
+                                 *(["--quick"] if args.quick else [])]),
         (home / "ablation.json", [str(BENCHMARK / "order_ablation.py"), "--data_dir", str(processed),
                                   "--checkpoint", str(checkpoint), "--last_k", "0", "--seed", str(seed),
                                   "--output", str(home / "ablation.json")]),
@@ -124,6 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=0.008, help="data.synthetic --scale (0.008: ~100k events)")
     p.add_argument("--max_train_seconds", type=float, default=600.0)
     p.add_argument("--baselines", nargs="+", default=None, help="quality_benchmark.py --baselines (default: all)")
+    p.add_argument("--quick", action="store_true",
+                   help="quality_benchmark.py --quick: one grid point per baseline instead of its grid")
     return p.parse_args(argv)
 
 

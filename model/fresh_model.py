@@ -1,6 +1,6 @@
 """The model training starts from: a preset shaped by a recipe, and the start the recipe asks of it.
 
-    model = fresh_model(dataset, TrainParams(preset="demo", **RECIPES["sequence"]))
+    model = fresh_model(dataset, TrainParams(preset="demo"))
 
 `model.train.train` starts from it; `benchmark/inference_end2end_example.py --recipe` serves it
 untrained, so a replay (the GPU report's) runs the kernels the trained checkpoint will need.

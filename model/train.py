@@ -36,18 +36,18 @@ from model.checkpoint import save_checkpoint
 from model.config import PRESET_NAMES
 from model.evaluation import EarlyStopping, score_requests, window_batch
 from model.fresh_model import fresh_model
+from model.item_cooccurrence import start_from_cooccurrence
 from model.metrics import per_task_auc, selection_score
 from model.next_item_loss import NextItemLoss, NextItemTargets
 from model.recommender import HSTURecommender, ModelInputs
 from model.train_arguments import add_recipe_arguments, parse_recipe_arguments, recipe_params
 from model.train_params import EpochReport, TrainParams, TrainReport, split_requests
+from model.train_schedule import CANDIDATE_TERM, group_factor, schedule, shuffled_batches
 
 log = logging.getLogger(__name__)
 # The blocked attention while training, with 128 query rows x 128 keys per block: cropped windows are
 # short, and the backward pays for every padded slot of a block, so blocks smaller than serving's pay off.
 TRAINING_ATTENTION = BlockedAttention(query_block=128, key_block=128)
-# Marks the optimiser groups of the candidate-only terms (TrainParams.candidate_terms_delay_epochs).
-CANDIDATE_TERM = "candidate_term"
 VIDEO_ID_TABLE = "table_video_id"
 
 
@@ -124,68 +124,23 @@ def _sparse_tables(model: HSTURecommender) -> list[nn.Embedding]:
     return [*model.embedder.collection.embeddings.values(), model.embedder.video_bias, *taste]
 
 
-def shuffled_batches(dataset: InferenceDataset, indices: np.ndarray, batch_size: int,
-                     rng: np.random.Generator) -> list[np.ndarray]:
-    """The visits in random order (batches i.i.d. across time), packed first-fit into batches of
-    distinct users (a batch holds each user at most once). Cutting the shuffled list wherever a user
-    repeats (`InferenceDataset.batches`) leaves batches half empty when a few users own many visits;
-    first-fit fills them, so an epoch takes fewer, fuller steps."""
-    users = dataset.requests.user_id
-    batches: list[list[int]] = []
-    members: list[set[int]] = []
-    # A batch that is full, or holds the user, stays so: each user's search resumes where its last
-    # one ended, and every search skips the leading full batches (first-fit, in linear-ish time).
-    resume: dict[int, int] = {}
-    first_open = 0
-    for index in indices[rng.permutation(len(indices))].tolist():
-        user = int(users[index])
-        target = max(resume.get(user, 0), first_open)
-        while target < len(batches) and (len(batches[target]) >= batch_size or user in members[target]):
-            target += 1
-        if target == len(batches):
-            batches.append([])
-            members.append(set())
-        batches[target].append(index)
-        members[target].add(user)
-        resume[user] = target + 1
-        while first_open < len(batches) and len(batches[first_open]) >= batch_size:
-            first_open += 1
-    return [np.asarray(batches[b], dtype=np.int64) for b in rng.permutation(len(batches))]
-
-
-def _schedule(step: int, total: int, warmup: int) -> float:
-    """Learning-rate factor: linear warm-up, then cosine decay to 0.1 at `total` steps."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _group_factor(group: dict, factor: float, step: int, delay_steps: int, warmup: int) -> float:
-    """A parameter group's learning-rate factor at `step`, given the schedule's `factor`: the
-    candidate-only terms get nothing until `delay_steps`, then a warm-up of their own into it."""
-    if not group.get(CANDIDATE_TERM) or not delay_steps:
-        return factor
-    if step < delay_steps:
-        return 0.0
-    return factor * min(1.0, (step - delay_steps + 1) / max(1, warmup))
-
-
 def train(
     dataset: InferenceDataset, params: TrainParams, model: HSTURecommender | None = None
 ) -> tuple[HSTURecommender, TrainReport]:
     """Train on the visits before the split date; keep the epoch with the best holdout score (`select_on`).
 
-    `model` (default: a fresh one of `params.preset` with `params.dropout`, seeded by `params.seed`) is
-    trained in place and returned."""
+    `model` (default: a fresh one of `params.preset` with `params.dropout`, seeded by `params.seed`, its id
+    rows started as `params.id_start` says) is trained in place and returned."""
     torch.manual_seed(params.seed)
     rng = np.random.default_rng(params.seed)
+    train_idx, holdout_idx = split_requests(dataset, params)
     if model is None:
         model = fresh_model(dataset, params)
+        if params.id_start == "cooccurrence":  # from the events before the holdout's first visit
+            start_from_cooccurrence(model, dataset, int(dataset.requests.time_ms[holdout_idx].min()), params.seed)
     # The blocked torch path: the Triton kernel computes forwards only (it has no backward).
     serving_backend, model.attention_backend = model.attention_backend, TRAINING_ATTENTION
     started = time.perf_counter()
-    train_idx, holdout_idx = split_requests(dataset, params)
     next_item = NextItemLoss(model.config.hidden_dim).to(model.device) if params.next_item_loss_weight else None
     optimizers, dense_params = _optimizers(model, params, next_item)
     base_lrs = [[g["lr"] for g in opt.param_groups] for opt in optimizers]
@@ -203,10 +158,10 @@ def train(
         model.train()
         for idx in bar:
             step_started = time.perf_counter()
-            factor = _schedule(step, total_steps, params.warmup_steps)
+            factor = schedule(step, total_steps, params.warmup_steps)
             for opt, lrs in zip(optimizers, base_lrs):
                 for group, lr in zip(opt.param_groups, lrs):
-                    group["lr"] = lr * _group_factor(group, factor, step, delay_steps, params.warmup_steps)
+                    group["lr"] = lr * group_factor(group, factor, step, delay_steps, params.warmup_steps)
             batch = window_batch(model, dataset, idx, params.max_history_events, params.history_targets)
             inputs, bce, next_item_loss = _losses(model, batch, next_item)
             for opt in optimizers:

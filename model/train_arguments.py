@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from model.metrics import SELECT_ON
-from model.train_params import RECIPES, TrainParams
+from model.train_params import ID_STARTS, RECIPES, TrainParams
 
 
 def _non_negative_int(text: str) -> int:
@@ -46,6 +46,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "(0: no side features)")
     p.add_argument("--id_dropout", type=float, default=d.id_dropout,
                    help="the share of tokens whose video-id row is left out while training")
+    p.add_argument("--id_start", choices=ID_STARTS, default=d.id_start,
+                   help="how a fresh model's video-id rows start: from the training clicks' co-occurrence, or random")
     p.add_argument("--tag_embedding_std", type=_float_or_none, default=d.tag_embedding_std,
                    help="draw a fresh model's tag table at this std ('none': 0.02, as every table)")
     p.add_argument("--id_embedding_std", type=_float_or_none, default=d.id_embedding_std,

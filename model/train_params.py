@@ -14,6 +14,8 @@ from data.dataset import InferenceDataset
 from data.schema import DEFAULT_SPLIT_DATE, beijing_midnight_ms
 from model.metrics import SELECT_ON
 
+ID_STARTS = ("cooccurrence", "random")
+
 
 @dataclass(frozen=True)
 class TrainParams:
@@ -90,6 +92,9 @@ class TrainParams:
     # The share of tokens whose video-id row is left out while training (HSTUConfig.id_dropout): the tag
     # and side features must carry a video too, as they must for a video seen once.
     id_dropout: float = 0.2
+    # How a fresh model's video-id rows start (ID_STARTS): "cooccurrence" from the training period's
+    # clicked-together videos (model/item_cooccurrence.py), "random" at id_embedding_std alone.
+    id_start: str = "cooccurrence"
     # A fresh model's start, so that its first attention matches what the history shares with the
     # candidate: the tag and id tables drawn large (None: the 0.02 of every table), which makes them most
     # of a token's normalised input, and each layer's key projection a copy of its query projection,
@@ -117,6 +122,8 @@ class TrainParams:
                              f"got {self.candidate_terms_delay_epochs}")
         if not self.next_item_loss_weight >= 0:
             raise ValueError(f"next_item_loss_weight must be >= 0, got {self.next_item_loss_weight}")
+        if self.id_start not in ID_STARTS:
+            raise ValueError(f"id_start must be one of {', '.join(ID_STARTS)}, got {self.id_start!r}")
         if not 0.0 <= self.id_dropout < 1.0:
             raise ValueError(f"id_dropout must be in [0, 1), got {self.id_dropout}")
         if self.side_feature_hash_size < 0 or self.side_feature_hash_size == 1:

@@ -24,8 +24,9 @@ from helpers import (
 )
 from model.config import config_for_dataset
 from model.recommender import HSTURecommender
-from model.train import shuffled_batches, train
+from model.train import train
 from model.train_params import TrainParams, split_requests
+from model.train_schedule import shuffled_batches
 
 
 def _history_projections(model: HSTURecommender, batch) -> list[torch.Tensor]:

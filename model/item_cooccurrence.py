@@ -1,0 +1,117 @@
+"""A fresh model's video-id rows started from the training period's co-occurrence, for training only.
+
+A dense catalogue's id rows must learn which videos go together before the attention can use them:
+which ones a candidate's history shares its cluster with, and which follow which. From random rows
+the layers and the next-item loss find that slowly, and meanwhile the rows memorise their labels.
+The logs already say it: videos that users click close together in time are alike. So the rows
+start from a factorisation of that:
+
+    pairs      each clicked event and the clicked events up to `window` after it, same user,
+               in the events before `until_ms` (the training period: nothing of the holdout)
+    C[a, b]    how often videos a and b are such a pair (both directions)
+    PPMI[a, b] max(0, log(C[a, b] * total / (rows[a] * rows[b])))
+    rows       the top `rank` singular vectors of PPMI, scaled by sqrt(singular value), placed in
+               the hidden space by a fixed random orthonormal map and scaled to the table's mean norm
+
+Only ids seen in at least `min_count` pairs are set (a rare video's few pairs are noise); the rest
+keep their random start, and training moves every row from there. Where ids do not repeat (a
+sparse catalogue) few rows qualify and the start changes little.
+
+    >>> start_from_cooccurrence(model, dataset, until_ms=cut, seed=0)   # a fresh model, before its first step
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import scipy.sparse as sp
+import scipy.sparse.linalg as sla
+import torch
+
+from data.schema import TASKS
+from data.user_histories import UserHistories
+
+if TYPE_CHECKING:
+    from model.recommender import HSTURecommender
+
+CLICK_BIT = 1 << TASKS.index("click")
+WINDOW = 5  # clicks after an event that count as its neighbours: a visit's worth of recent interest
+RANK = 32
+MIN_COUNT = 5
+
+
+@dataclass(frozen=True)
+class IdRowStart:
+    """Rows to start a video-id table from: `rows[i]` for hashed id `ids[i]` (any norm; scaled on use)."""
+
+    ids: np.ndarray  # [n] int64, ascending hashed ids
+    rows: np.ndarray  # [n, hidden_dim] float32
+
+    @property
+    def num_ids(self) -> int:
+        return len(self.ids)
+
+
+def click_pairs(histories: UserHistories, hash_size: int, until_ms: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hashed ids (a [P], b [P]) of every clicked event before `until_ms` and each of the next `window`
+    clicked events of the same user."""
+    events = histories.event_arrays()
+    users = np.repeat(np.arange(len(events.offsets) - 1), np.diff(events.offsets))  # [E]
+    keep = (events.timestamps_ms < until_ms) & ((events.action_weights & CLICK_BIT) != 0)
+    users, videos = users[keep], np.remainder(events.video_ids[keep], hash_size)
+    firsts, seconds = [], []
+    for k in range(1, window + 1):  # events stay in (user, time) order after the filter
+        same_user = users[:-k] == users[k:]
+        firsts.append(videos[:-k][same_user])
+        seconds.append(videos[k:][same_user])
+    return np.concatenate(firsts), np.concatenate(seconds)
+
+
+def cooccurrence_rows(histories: UserHistories, hash_size: int, until_ms: int, hidden_dim: int, seed: int,
+                      window: int = WINDOW, rank: int = RANK, min_count: int = MIN_COUNT) -> IdRowStart:
+    """The start of the ids seen in at least `min_count` click pairs (module docstring); no ids when
+    fewer than rank + 2 qualify (too few to factorise)."""
+    first, second = click_pairs(histories, hash_size, until_ms, window)
+    ids, inverse = np.unique(np.concatenate([first, second]), return_inverse=True)
+    counts = np.bincount(inverse, minlength=len(ids))
+    frequent = counts >= min_count
+    if frequent.sum() < rank + 2:
+        return IdRowStart(np.zeros(0, np.int64), np.zeros((0, hidden_dim), np.float32))
+    index = np.cumsum(frequent) - 1  # id position -> its row among the frequent ones
+    a, b = inverse[: len(first)], inverse[len(first):]
+    both = frequent[a] & frequent[b]
+    a, b, n = index[a[both]], index[b[both]], int(frequent.sum())
+    counts_ab = sp.coo_matrix((np.ones(len(a)), (a, b)), shape=(n, n)).tocsr()
+    counts_ab = (counts_ab + counts_ab.T).tocoo()
+    row_sums = np.asarray(counts_ab.sum(axis=1)).ravel()
+    pmi = np.log(counts_ab.data * counts_ab.data.sum() / (row_sums[counts_ab.row] * row_sums[counts_ab.col]))
+    ppmi = sp.csr_matrix((np.maximum(pmi, 0.0), (counts_ab.row, counts_ab.col)), shape=(n, n))
+    k = min(rank, n - 2)
+    vectors, singular, _ = sla.svds(ppmi, k=k, v0=np.random.default_rng(seed).standard_normal(n))
+    vectors = vectors * np.sqrt(np.maximum(singular, 0.0))  # [n, k]
+    basis = np.linalg.qr(np.random.default_rng(seed).standard_normal((hidden_dim, k)))[0]  # [d, k]
+    return IdRowStart(ids[frequent].astype(np.int64), (vectors @ basis.T).astype(np.float32))
+
+
+def start_id_rows(table: torch.nn.Embedding, start: IdRowStart) -> None:
+    """Overwrite `table`'s rows of `start.ids` with `start.rows`, scaled so that their mean norm is the
+    table's (the start keeps the table's scale; only the directions come from the data)."""
+    if not start.num_ids:
+        return
+    with torch.no_grad():
+        weight = table.weight
+        rows = torch.from_numpy(start.rows).to(weight.device, weight.dtype)
+        scale = weight.norm(dim=1).mean() / rows.norm(dim=1).mean().clamp_min(1e-12)
+        weight[torch.from_numpy(start.ids).to(weight.device)] = rows * scale
+
+
+def start_from_cooccurrence(model: HSTURecommender, histories: UserHistories, until_ms: int, seed: int) -> IdRowStart:
+    """Start `model`'s video-id rows from the co-occurrence of the clicks before `until_ms`; -> the start
+    (none for a model with one video row, which has no per-video row to start)."""
+    config = model.config
+    if config.video_hash_size <= 1:
+        return IdRowStart(np.zeros(0, np.int64), np.zeros((0, config.hidden_dim), np.float32))
+    start = cooccurrence_rows(histories, config.video_hash_size, until_ms, config.hidden_dim, seed)
+    start_id_rows(model.embedder.collection.embeddings["table_video_id"], start)
+    return start
