@@ -6,16 +6,18 @@ the layers and the next-item loss find that slowly, and meanwhile the rows memor
 The logs already say it: videos that users click close together in time are alike. So the rows
 start from a factorisation of that:
 
-    pairs      each clicked event and the clicked events up to `window` after it, same user,
-               in the events before `until_ms` (the training period: nothing of the holdout)
+    pairs      each clicked event and the clicked events up to `window` after it, same user, in
+               the events before `until_ms` (the training period: nothing of the holdout), of the
+               videos clicked at least `min_clicks` times there
     C[a, b]    how often videos a and b are such a pair (both directions)
     PPMI[a, b] max(0, log(C[a, b] * total / (rows[a] * rows[b])))
     rows       the top `rank` singular vectors of PPMI, scaled by sqrt(singular value), placed in
                the hidden space by a fixed random orthonormal map and scaled to the table's mean norm
 
-Only ids seen in at least `min_count` pairs are set (a rare video's few pairs are noise); the rest
-keep their random start, and training moves every row from there. Where ids do not repeat (a
-sparse catalogue) few rows qualify and the start changes little.
+Only videos clicked at least `min_clicks` times are set (a rare video's few pairs are noise, and
+placing it would only help its rows memorise); the rest keep their random start, and training moves
+every row from there. Where ids do not repeat (a sparse catalogue) few rows qualify and the start
+changes little.
 
     >>> start_from_cooccurrence(model, dataset, until_ms=cut, seed=0)   # a fresh model, before its first step
 """
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 CLICK_BIT = 1 << TASKS.index("click")
 WINDOW = 5  # clicks after an event that count as its neighbours: a visit's worth of recent interest
 RANK = 32
-MIN_COUNT = 5
+MIN_CLICKS = 5  # a video clicked fewer times keeps its random start: too few pairs to place it
 
 
 @dataclass(frozen=True)
@@ -53,15 +55,20 @@ class IdRowStart:
         return len(self.ids)
 
 
-def click_pairs(histories: UserHistories, hash_size: int, until_ms: int, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """Hashed ids (a [P], b [P]) of every clicked event before `until_ms` and each of the next `window`
-    clicked events of the same user."""
+def clicked_videos(histories: UserHistories, hash_size: int, until_ms: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row of the user [C], hashed video id [C]) of every clicked event before `until_ms`, in (user, time)
+    order."""
     events = histories.event_arrays()
     users = np.repeat(np.arange(len(events.offsets) - 1), np.diff(events.offsets))  # [E]
     keep = (events.timestamps_ms < until_ms) & ((events.action_weights & CLICK_BIT) != 0)
-    users, videos = users[keep], np.remainder(events.video_ids[keep], hash_size)
+    return users[keep], np.remainder(events.video_ids[keep], hash_size)
+
+
+def click_pairs(users: np.ndarray, videos: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Clicked events in (user, time) order -> ids (a [P], b [P]) of each and the next `window` clicked
+    events of the same user."""
     firsts, seconds = [], []
-    for k in range(1, window + 1):  # events stay in (user, time) order after the filter
+    for k in range(1, window + 1):
         same_user = users[:-k] == users[k:]
         firsts.append(videos[:-k][same_user])
         seconds.append(videos[k:][same_user])
@@ -69,19 +76,17 @@ def click_pairs(histories: UserHistories, hash_size: int, until_ms: int, window:
 
 
 def cooccurrence_rows(histories: UserHistories, hash_size: int, until_ms: int, hidden_dim: int, seed: int,
-                      window: int = WINDOW, rank: int = RANK, min_count: int = MIN_COUNT) -> IdRowStart:
-    """The start of the ids seen in at least `min_count` click pairs (module docstring); no ids when
-    fewer than rank + 2 qualify (too few to factorise)."""
-    first, second = click_pairs(histories, hash_size, until_ms, window)
-    ids, inverse = np.unique(np.concatenate([first, second]), return_inverse=True)
-    counts = np.bincount(inverse, minlength=len(ids))
-    frequent = counts >= min_count
-    if frequent.sum() < rank + 2:
+                      window: int = WINDOW, rank: int = RANK, min_clicks: int = MIN_CLICKS) -> IdRowStart:
+    """The start of the ids clicked at least `min_clicks` times before `until_ms` (module docstring); no
+    ids when fewer than rank + 2 qualify (too few to factorise)."""
+    users, videos = clicked_videos(histories, hash_size, until_ms)
+    ids, clicks = np.unique(videos, return_counts=True)
+    ids = ids[clicks >= min_clicks]
+    if len(ids) < rank + 2:
         return IdRowStart(np.zeros(0, np.int64), np.zeros((0, hidden_dim), np.float32))
-    index = np.cumsum(frequent) - 1  # id position -> its row among the frequent ones
-    a, b = inverse[: len(first)], inverse[len(first):]
-    both = frequent[a] & frequent[b]
-    a, b, n = index[a[both]], index[b[both]], int(frequent.sum())
+    frequent = np.isin(videos, ids)
+    first, second = click_pairs(users[frequent], videos[frequent], window)
+    a, b, n = np.searchsorted(ids, first), np.searchsorted(ids, second), len(ids)
     counts_ab = sp.coo_matrix((np.ones(len(a)), (a, b)), shape=(n, n)).tocsr()
     counts_ab = (counts_ab + counts_ab.T).tocoo()
     row_sums = np.asarray(counts_ab.sum(axis=1)).ravel()
@@ -89,9 +94,10 @@ def cooccurrence_rows(histories: UserHistories, hash_size: int, until_ms: int, h
     ppmi = sp.csr_matrix((np.maximum(pmi, 0.0), (counts_ab.row, counts_ab.col)), shape=(n, n))
     k = min(rank, n - 2)
     vectors, singular, _ = sla.svds(ppmi, k=k, v0=np.random.default_rng(seed).standard_normal(n))
-    vectors = vectors * np.sqrt(np.maximum(singular, 0.0))  # [n, k]
+    vectors = vectors * np.sqrt(np.maximum(singular, 0.0))  # [n, k]; a video without pairs stays at 0
     basis = np.linalg.qr(np.random.default_rng(seed).standard_normal((hidden_dim, k)))[0]  # [d, k]
-    return IdRowStart(ids[frequent].astype(np.int64), (vectors @ basis.T).astype(np.float32))
+    keep = np.linalg.norm(vectors, axis=1) > 0
+    return IdRowStart(ids[keep].astype(np.int64), (vectors[keep] @ basis.T).astype(np.float32))
 
 
 def start_id_rows(table: torch.nn.Embedding, start: IdRowStart) -> None:

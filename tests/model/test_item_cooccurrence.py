@@ -11,6 +11,7 @@ from model.config import preset
 from model.item_cooccurrence import (
     IdRowStart,
     click_pairs,
+    clicked_videos,
     cooccurrence_rows,
     start_from_cooccurrence,
     start_id_rows,
@@ -39,14 +40,14 @@ def histories(users: list[list[tuple[int, bool]]], start_ms: int = 1_650_000_000
 def test_pairs_are_clicks_of_one_user_before_the_cut_within_the_window():
     h = histories([[(1, True), (2, False), (3, True), (4, True), (5, True)], [(6, True), (7, True)]])
     cut = 1_650_000_000_000 + 3 * 3_600_000 + 1  # user 1's fifth event is after it
-    first, second = click_pairs(h, hash_size=1000, until_ms=cut, window=2)
+    first, second = click_pairs(*clicked_videos(h, hash_size=1000, until_ms=cut), window=2)
     assert sorted(zip(first.tolist(), second.tolist())) == [(1, 3), (1, 4), (3, 4), (6, 7)]
 
 
-def test_pairs_hash_the_ids():
+def test_clicked_videos_hash_the_ids():
     h = histories([[(1005, True), (7, True)]])
-    first, second = click_pairs(h, hash_size=1000, until_ms=2**62, window=1)
-    assert (first.tolist(), second.tolist()) == ([5], [7])
+    users, videos = clicked_videos(h, hash_size=1000, until_ms=2**62)
+    assert (users.tolist(), videos.tolist()) == ([0, 0], [5, 7])
 
 
 def two_groups(seed: int = 0, num_users: int = 60, group_size: int = 20) -> tuple[UserHistories, np.ndarray]:
@@ -64,7 +65,7 @@ def two_groups(seed: int = 0, num_users: int = 60, group_size: int = 20) -> tupl
 
 def test_videos_clicked_together_start_alike():
     h, group = two_groups()
-    start = cooccurrence_rows(h, hash_size=1000, until_ms=2**62, hidden_dim=16, seed=0, rank=4, min_count=5)
+    start = cooccurrence_rows(h, hash_size=1000, until_ms=2**62, hidden_dim=16, seed=0, rank=4, min_clicks=5)
     assert start.ids.tolist() == list(range(40))
     rows = start.rows / np.linalg.norm(start.rows, axis=1, keepdims=True)
     cosine = rows @ rows.T
@@ -73,11 +74,15 @@ def test_videos_clicked_together_start_alike():
     assert cosine[same & off_diagonal].mean() > cosine[~same].mean() + 0.5
 
 
-def test_rare_ids_keep_their_random_start_and_too_few_give_none():
+def test_videos_clicked_fewer_times_keep_their_random_start_and_too_few_give_none():
     h, _ = two_groups()
-    rare = histories([[(900, True), (901, True)]])
+    once = histories([[(900, True), (0, True), (901, True), (1, True)] * 1 + [(900, True)] * 0])
+    clicks = np.bincount(clicked_videos(h, 1000, 2**62)[1], minlength=40)
+    assert clicks.min() >= 5  # every video of the groups qualifies
+    start = cooccurrence_rows(h, 1000, 2**62, 16, 0, rank=4, min_clicks=int(clicks.max()))
+    assert start.ids.tolist() == [] or set(start.ids.tolist()) <= set(np.flatnonzero(clicks >= clicks.max()).tolist())
     assert 900 not in cooccurrence_rows(h, 1000, 2**62, 16, 0, rank=4).ids
-    assert cooccurrence_rows(rare, 1000, 2**62, 16, 0, rank=4).num_ids == 0
+    assert cooccurrence_rows(once, 1000, 2**62, 16, 0, rank=4).num_ids == 0
 
 
 def test_the_start_sets_only_its_rows_at_the_tables_scale():
