@@ -1,6 +1,6 @@
 """Preprocessing cost relative to just parsing the same CSVs, measured in one run.
 
-    python benchmark/preprocess_benchmark.py --scale 1.0 --output artifacts/preprocess_benchmark.json
+    python -m benchmark.data.preprocess --scale 1.0 --output artifacts/preprocess_benchmark.json
 
 Generates (or reuses, or takes --data_dir) a synthetic KuaiRand-1K, then alternates two
 child processes: a plain `pyarrow.csv.read_csv` of the two standard logs and the user

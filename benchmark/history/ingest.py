@@ -1,7 +1,7 @@
 """History ingest benchmark: how many events per second a history store appends, per batch size.
 
-    python benchmark/history_ingest.py --store sqlite --store local-redis --out artifacts/history_ingest.json
-    python benchmark/history_ingest.py --store redis://10.0.0.5:6379/0 --batch-sizes 100 1000
+    python -m benchmark.history.ingest --store sqlite --store local-redis --out artifacts/history_ingest.json
+    python -m benchmark.history.ingest --store redis://10.0.0.5:6379/0 --batch-sizes 100 1000
 
 Stores: `sqlite` (a new file in --workdir: fsync cost is the disk's, pick the disk you will use),
 `local-redis` (a redis-server on loopback with `appendonly yes`, `appendfsync always`, its AOF in

@@ -1,7 +1,7 @@
 """Live replay: the later period of a dataset sent as live traffic through a router, checked against the
 offline replay of the same visits.
 
-    python benchmark/live_replay.py --data_dir artifacts/synthetic/processed \\
+    python -m benchmark.history.live_replay --data_dir artifacts/synthetic/processed \\
         --checkpoint artifacts/synthetic/checkpoint [--store sqlite:///tmp/h.sqlite | redis://...] \\
         [--nodes 2 --clients 4 --max_requests 300 --output live.json]
 

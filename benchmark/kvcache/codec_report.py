@@ -1,6 +1,6 @@
 """What each K/V codec costs in quality and saves in bytes, on one replay of KuaiRand-1K visits.
 
-    python benchmark/kv_codec_report.py --data_dir artifacts/processed --checkpoint artifacts/checkpoint \\
+    python -m benchmark.kvcache.codec_report --data_dir artifacts/processed --checkpoint artifacts/checkpoint \\
         --codecs raw zstd bf16 int8 int8:mode=affine mixed --output artifacts/kv_codecs.json
 
 The replay of inference_end2end_example.py runs once with full recompute and once per codec with
@@ -12,7 +12,7 @@ onloaded again), as the example's. Per codec: max and mean |logit diff| against 
 token the host tier stores and its ratio to the raw pages of the same entries (a windowed model's
 unread K/V leave the device as zeros unless `--keep_unread_kv`: kvcache/read_window.py). The full-recompute
 pass is replayed once per run, or once for several runs with `--full_reference PATH`.
-Onload time per codec: benchmark/tier_benchmark.py --kv_codecs.
+Onload time per codec: benchmark/kvcache/tiers.py --kv_codecs.
 """
 from __future__ import annotations
 

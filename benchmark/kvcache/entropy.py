@@ -1,6 +1,6 @@
 """How far can a lossless codec shrink a trained model's K/V? Entropy against what zstd and zstd-channel achieve.
 
-    python benchmark/kv_entropy.py --data_dir artifacts/synthetic/processed \\
+    python -m benchmark.kvcache.entropy --data_dir artifacts/synthetic/processed \\
         --checkpoint artifacts/synthetic/checkpoint --max_requests 300 --output kv_entropy.json
 
 Replays the first visits from the split date through a KV cache large enough to keep every user,

@@ -9,7 +9,7 @@
 
 Each op and its baseline are timed in alternation; a ratio is the median of the per-round ratios.
 
-    python benchmark/kvcache_ops_benchmark.py --output artifacts/kvcache_ops.json
+    python -m benchmark.kvcache.ops --output artifacts/kvcache_ops.json
 """
 from __future__ import annotations
 

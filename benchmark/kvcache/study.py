@@ -1,11 +1,11 @@
 """The KV-reuse study: what the cache saves a visit, what it costs in memory, and where reloading a
 user's K/V from a tier stops paying. One command; the same on CPU and CUDA (picked automatically).
 
-    python benchmark/kv_study.py [--output_dir artifacts/kv_study] [--histories 256 1024 4096 16384]
+    python -m benchmark.kvcache.study [--output_dir artifacts/kv_study] [--histories 256 1024 4096 16384]
                                  [--tiers memory disk redis] [--codecs raw int8 ...] [--device cuda]
 
 Writes `report.md`, its PNG figures and `results.json` to --output_dir and prints the report.
-Sections (benchmark/kvstudy/): 1. the share of a full visit spent on the history against the
+Sections (benchmark/kvcache/kvstudy/): 1. the share of a full visit spent on the history against the
 candidates; 2. cached against full recompute; 3. K/V bytes per user per preset and dtype, device
 pages against batch size and what limits the batch; 4. reload from each tier (memory, disk,
 Redis on a redis-server of the run's own) per codec against recompute; 5. memory per served user

@@ -1,6 +1,6 @@
 """HSTU block benchmark: incremental (KV cache) vs full recompute at the same shapes.
 
-    python benchmark/hstu_block_benchmark.py [--preset kuairand-1k] [--dtype bfloat16] [--cuda_graphs]
+    python -m benchmark.model.hstu_block [--preset kuairand-1k] [--dtype bfloat16] [--cuda_graphs]
                                              [--histories ...] [--batches ...] [--output hstu_block.json]
 
 For each history length L and batch size B, every user has L history tokens of which

@@ -1,7 +1,7 @@
 """Kernel launches per served batch, and no host sync in the forward or the graph replay.
 
-    python benchmark/launch_count.py --device cuda --dtype bfloat16 --output launches.json   # make gpu-report
-    python benchmark/launch_count.py --device cpu --preset tiny --history 64 --output launches.json   # dry
+    python -m benchmark.model.launch_count --device cuda --dtype bfloat16 --output launches.json   # make gpu-report
+    python -m benchmark.model.launch_count --device cpu --preset tiny --history 64 --output launches.json   # dry
 
 For B = 1 and 8, users whose first H - --new_tokens tokens are cached score --candidates candidates:
 one batch (prepare, plan and upload, forward, rollback) runs eagerly and, on CUDA, as its bucket's

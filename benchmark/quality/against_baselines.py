@@ -1,6 +1,6 @@
 """The ranking model against baselines: same split, same requests, same metric (per-task AUC).
 
-    python benchmark/quality_benchmark.py --data_dir artifacts/synthetic/processed \\
+    python -m benchmark.quality.against_baselines --data_dir artifacts/synthetic/processed \\
         --checkpoint artifacts/synthetic/checkpoint --output artifacts/synthetic/quality.json
 
 Scores every visit from --split_date on with the HSTU model (a --checkpoint, or one trained

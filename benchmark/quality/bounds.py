@@ -1,9 +1,9 @@
 """What synthetic data lets any model reach: the click AUC of the generator's own quantities.
 
-    python benchmark/quality_bounds.py --data_dir <processed> --scale 0.005 --seed 7 --signal item
+    python -m benchmark.quality.bounds --data_dir <processed> --scale 0.005 --seed 7 --signal item
 
 Redraws the world the data was generated from (the same `data.synthetic` scale, seed and signal,
-checked against the manifest's row counts) and scores quality_benchmark.py's evaluated candidates
+checked against the manifest's row counts) and scores benchmark/quality/against_baselines.py's evaluated candidates
 with what a model could at best know:
 
     oracle affinity        taste + quality + propensity, the true logit (less the action noise)
@@ -25,7 +25,7 @@ sightings the candidate's video has, with how often its most likely cluster is t
 
 On `--signal sequential` data, where exposures and clicks depend on the order of each user's events,
 those rows' click and exposure models do not hold; the script scores instead with and without the
-order of the history (benchmark/sequence_bounds.py): the oracle, the history in order, the history as
+order of the history (benchmark/quality/sequence_bounds.py): the oracle, the history in order, the history as
 a bag of events, the affinity alone, and what the order is worth (in order less bag); and, where the
 data has video tags, the last three again with each video's cluster read from its tag.
 

@@ -1,9 +1,9 @@
 """Does a checkpoint read the history it is served? The order ablation (model/order_ablation.py).
 
-    python benchmark/order_ablation.py --data_dir artifacts/synthetic/processed \\
+    python -m benchmark.quality.order_ablation --data_dir artifacts/synthetic/processed \\
         --checkpoint artifacts/synthetic/checkpoint --output artifacts/synthetic/order_ablation.json
 
-Scores the visits from --split_date on (quality_benchmark.py's evaluated visits, video counters
+Scores the visits from --split_date on (benchmark/quality/against_baselines.py's evaluated visits, video counters
 frozen at the split as there) with each visit's history as logged, shuffled within its window,
 cut to its last K events (--last_k) and removed, and prints per variant the click and long_view
 AUC, the change of click AUC against the logged history with a 95% interval from a paired

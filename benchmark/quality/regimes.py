@@ -1,15 +1,15 @@
 """The default trainer on every regime of the generator, against the baselines, with the order ablation
 and the data's bounds: one table over catalogue x tags x signal x seed.
 
-    python benchmark/quality_regimes.py --out artifacts/regimes --seeds 0 1 2
-    python benchmark/quality_regimes.py --out artifacts/regimes --regimes dense-absent-sequential --seeds 0
+    python -m benchmark.quality.regimes --out artifacts/regimes --seeds 0 1 2
+    python -m benchmark.quality.regimes --out artifacts/regimes --regimes dense-absent-sequential --seeds 0
 
 For each regime (data/synthetic_regimes.py) and seed it generates the logs (`data.synthetic --regime
 --seed`), preprocesses them, and runs, each as its own process, with the seed:
-    benchmark/quality_benchmark.py  `python -m model.train`'s default model, trained for at most
-                                    --max_train_seconds, against the baselines (--baselines)
-    benchmark/order_ablation.py     the same checkpoint with each history shuffled and removed
-    benchmark/quality_bounds.py     what the data allows (the generator's own quantities)
+    quality/against_baselines.py  `python -m model.train`'s default model, trained for at most
+                                  --max_train_seconds, against the baselines (--baselines)
+    quality/order_ablation.py     the same checkpoint with each history shuffled and removed
+    quality/bounds.py             what the data allows (the generator's own quantities)
 Steps whose output exists are not run again, so an interrupted run resumes. Prints one row per regime
 and seed and writes `summary.json` and `summary.png` into --out.
 """

@@ -1,4 +1,4 @@
-"""What the order of a user's history is worth on `--signal sequential` data (quality_bounds.py's
+"""What the order of a user's history is worth on `--signal sequential` data (benchmark/quality/bounds.py's
 sequential rows). Every score knows the world (taste, quality, propensity, each video's cluster, the
 sequential rules, the click intercept); they differ in what they know of the sequence:
 

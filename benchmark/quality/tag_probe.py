@@ -1,6 +1,6 @@
 """How much of the click signal do video tags carry, with no learning at all?
 
-    python benchmark/tag_probe.py --data_dir OUT --window 128 --output tag_probe.json
+    python -m benchmark.quality.tag_probe --data_dir OUT --window 128 --output tag_probe.json
 
 For every candidate of the visits from `--split_date` on, two counts over the user's last
 `--window` events before the visit (data with `video_tags.parquet`, model/video_tags.py):
@@ -12,9 +12,9 @@ and the click AUC of each as a score, beside the user's own click rate over the 
 sequence model that reads tags could learn either; docs/model.md ("Video tags") compares the HSTU
 with them. Prints a table, writes JSON.
 
-    python benchmark/tag_probe.py --data_dir OUT --checkpoint CKPT --baselines "matrix factorisation"
+    python -m benchmark.quality.tag_probe --data_dir OUT --checkpoint CKPT --baselines "matrix factorisation"
 
-also scores quality_benchmark.py's evaluated candidates with the checkpoint and the named baselines,
+also scores benchmark/quality/against_baselines.py's evaluated candidates with the checkpoint and the named baselines,
 and stacks each one's click score with the tag counts of the last `--stack_windows` events (the log
 share of the window's events with the candidate's tag, the log ratio of the same-tag click rate to
 the user's own) in a logistic regression, each half of the users scored by the fit on the other.
@@ -123,7 +123,7 @@ def stacked_report(split: QualitySplit, counts: dict[int, TagCounts], scorers: d
 
 
 def _stack(args: argparse.Namespace, dataset: InferenceDataset, tags: VideoTagTable) -> dict[str, dict[str, object]]:
-    """The HSTU's (--checkpoint) and the named baselines' click scores of quality_benchmark.py's evaluated
+    """The HSTU's (--checkpoint) and the named baselines' click scores of benchmark/quality/against_baselines.py's evaluated
     candidates, and what the tag counts add to each."""
     split = quality_split(dataset, args.split_date, max_eval_requests=args.max_requests, video_tags=tags)
     scorers = {}
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     add_checkpoint(p, help="model.train output: stack the tag counts on its click logits")
     names = [b.name for b in BASELINES]
     p.add_argument("--baselines", nargs="*", default=[], metavar="NAME",
-                   help=f"baselines to stack the tag counts on (fitted as quality_benchmark.py fits them): "
+                   help=f"baselines to stack the tag counts on (fitted as benchmark/quality/against_baselines.py fits them): "
                         f"{', '.join(repr(n) for n in names)}")
     p.add_argument("--stack_windows", type=int, nargs="+", default=[128, 1024],
                    help="the windows (events before each visit) whose tag counts are stacked")

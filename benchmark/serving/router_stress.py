@@ -1,8 +1,8 @@
 """The router front under abuse, on loopback: slow large bodies (memory), and 20,000 half-open
 connections (latency of everyone else).
 
-    python benchmark/router_stress.py --output artifacts/router_stress.json
-    python benchmark/router_stress.py --clients 3 --half_open 50 --stream_mib 1    # tiny mode (the test)
+    python -m benchmark.serving.router_stress --output artifacts/router_stress.json
+    python -m benchmark.serving.router_stress --clients 3 --half_open 50 --stream_mib 1    # tiny mode (the test)
 
 Processes: a real router (`python -m serve.router`, round-robin, so no Redis) in front of a fake
 node of this script. The fake node stands in for real nodes on purpose: what is measured is the

@@ -1,10 +1,10 @@
 """A bounded soak: a steady request rate across 2 nodes and 2 routers, with a node, a router and
 Redis each killed once (SIGKILL) and restarted. Not run in CI (30 minutes by default).
 
-    python benchmark/soak.py --output artifacts/soak/soak.json                 # 1800 s, tiny artifacts
-    python benchmark/soak.py --data_dir DIR --checkpoint DIR --duration_s 900 --rate 4
+    python -m benchmark.serving.soak --output artifacts/soak/soak.json                 # 1800 s, tiny artifacts
+    python -m benchmark.serving.soak --data_dir DIR --checkpoint DIR --duration_s 900 --rate 4
 
-The processes are real (serve/launch.py: nodes, routers; a redis-server on a fixed port, so that it
+The processes are real (benchmark/harness/launch.py: nodes, routers; a redis-server on a fixed port, so that it
 can come back where the nodes and routers look for it). Without --data_dir/--checkpoint the
 tests' tiny dataset and checkpoint are built in the workdir (tests/helpers.py), whose model makes
 every token count. Requests are the dataset's visits, cycled, sent at `--rate` per second (evenly

@@ -1,4 +1,4 @@
-"""The KV-reuse study (`benchmark/kv_study.py`): what the cache saves a visit, what it costs in memory,
+"""The KV-reuse study (`benchmark/kvcache/study.py`): what the cache saves a visit, what it costs in memory,
 and when reloading a user's K/V from a tier stops paying, one section a module.
 
 `visits.py` times a visit with the cache, by full recompute and the history alone, and measures

@@ -91,7 +91,7 @@ def _onload_section(result: StudyResult) -> list[str]:
         "Reload = `prepare_kv_cache` of a returning user whose K/V are in the tier only (read, decode, copy "
         "to fresh device pages) + rollback; recompute = the history alone (section 1). Ratio > 1: reloading pays. "
         "Only speed and bytes are measured here: what the lossy codecs cost in accuracy is "
-        "`benchmark/kv_codec_report.py`'s to measure.",
+        "`benchmark/kvcache/codec_report.py`'s to measure.",
         "",
         onload_table(rows),
         "",
