@@ -84,7 +84,7 @@ def ensure_data(args: argparse.Namespace) -> Path:
     return data_dir
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0)
     add_seed(parser)
@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work_dir", type=Path, default=Path(tempfile.gettempdir()) / "preprocess_benchmark")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side; the best counts")
     parser.add_argument("--output", type=Path, default=None, help="results JSON (default WORK_DIR/results.json)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     data_dir = ensure_data(args)

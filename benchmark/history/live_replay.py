@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -140,7 +141,29 @@ def node_samples(urls: list[str]) -> list[dict[str, float]]:
     return [parse_samples(urllib.request.urlopen(f"{u}/metrics", timeout=30).read().decode()) for u in urls]
 
 
-def main(argv: list[str] | None = None) -> int:
+def click_auc_of(dataset: InferenceDataset, indices: np.ndarray) -> Callable[[dict[int, np.ndarray]], float | None]:
+    """The click AUC of scores keyed by request index, against the labels of the requests `indices`."""
+    labels = {int(r): dataset.make_batch(np.array([r]), np.array([0]), np.array([0])).labels for r in indices.tolist()}
+    click = schema.TASKS.index("click")
+
+    def click_auc(scores: dict[int, np.ndarray]) -> float | None:
+        order = sorted(scores)
+        return auc(np.concatenate([scores[r][:, click] for r in order]),
+                   np.concatenate([labels[r][:, click] for r in order]))
+
+    return click_auc
+
+
+def score_latency_ms(with_ingestion: list[float], without: list[float]) -> dict:
+    """p50 and p99 of /score (seconds in, ms out) with events streaming in and without."""
+    p50_on, p99_on = (float(np.percentile(with_ingestion, q) * 1000) for q in (50, 99))
+    p50_off, p99_off = (float(np.percentile(without, q) * 1000) for q in (50, 99))
+    return {"with_ingestion": {"p50": round(p50_on, 2), "p99": round(p99_on, 2)},
+            "without": {"p50": round(p50_off, 2), "p99": round(p99_off, 2)},
+            "p50_ratio": round(p50_on / p50_off, 3)}
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_dir(p)
     add_checkpoint(p, required=True)
@@ -154,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ingest_batch", type=int, default=500, help="events per POST /events in the ingestion phase")
     p.add_argument("--log_dir", default=None)
     add_output(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
 
     dataset = InferenceDataset(args.data_dir)
@@ -192,28 +220,18 @@ def main(argv: list[str] | None = None) -> int:
         for node in nodes:
             node.stop()
 
-    labels = {int(r): dataset.make_batch(np.array([r]), np.array([0]), np.array([0])).labels for r in indices.tolist()}
-    click = schema.TASKS.index("click")
-
-    def click_auc(scores: dict[int, np.ndarray]) -> float | None:
-        order = sorted(scores)
-        return auc(np.concatenate([scores[r][:, click] for r in order]),
-                   np.concatenate([labels[r][:, click] for r in order]))
+    click_auc = click_auc_of(dataset, indices)
 
     def max_diff(scores: dict[int, np.ndarray]) -> float:
         return float(max(np.abs(scores[r] - expected[r]).max() for r in expected))
 
-    p50_on, p99_on = (float(np.percentile(live_latency, q) * 1000) for q in (50, 99))
-    p50_off, p99_off = (float(np.percentile(quiet_latency, q) * 1000) for q in (50, 99))
     report = {
         "store": store_url.split("?")[0], "nodes": args.nodes, "clients": args.clients, "visits": len(indices),
         "events_streamed": int(sum(len(s.events) for s in steps)),
         "max_abs_logit_diff": {"live": max_diff(live), "quiet": max_diff(quiet)},
         "click_auc": {"live": click_auc(live), "quiet": click_auc(quiet), "offline": click_auc(expected)},
         "ingestion_one_node": ingestion,
-        "score_latency_ms": {"with_ingestion": {"p50": round(p50_on, 2), "p99": round(p99_on, 2)},
-                             "without": {"p50": round(p50_off, 2), "p99": round(p99_off, 2)},
-                             "p50_ratio": round(p50_on / p50_off, 3)},
+        "score_latency_ms": score_latency_ms(live_latency, quiet_latency),
         "store_read_round_trips_per_visit": round((reads_after - reads_before) / len(indices), 2),
         "torch_threads": torch.get_num_threads(),
     }

@@ -174,7 +174,7 @@ def crossover(rows: list[Row], tier: str) -> int | None:
     return best
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
     p.add_argument("--histories", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
@@ -189,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis_url", default=None, help="an existing Redis (default: start redis-server on loopback)")
     p.add_argument("--workdir", default=None, help="where the disk tier writes (default: a temp dir)")
     add_output(p, "artifacts/tier_benchmark.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.attention_window < 0:
         p.error(f"--attention_window must be >= 0 (0: every key), got {args.attention_window}")

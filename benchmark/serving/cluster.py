@@ -33,11 +33,12 @@ import torch
 
 from benchmark.cli import add_checkpoint, add_data_dir, add_output, add_seed
 from benchmark.harness.launch import Service, start_node, start_router, wait_healthy
-from benchmark.harness.loadgen import Sent, latency_summary, post, replay
+from benchmark.harness.loadgen import Sent, latency_summary, replay
 from benchmark.harness.visits import visit_queries
 from benchmark.report import write_json
 from benchmark.serving.cluster_report import plot, summarize, summarize_repeats, table
 from benchmark.serving.replay_setup import working_set_pages
+from benchmark.serving.router_overhead import overhead_probe, probe_queries
 from data.dataset import InferenceDataset
 from data.schema import DEFAULT_SPLIT_DATE, beijing_midnight_ms
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
@@ -143,56 +144,6 @@ def reset(nodes: list[Service], redis: LocalRedisServer) -> None:
 def router_metrics(router: Service) -> str:
     with urllib.request.urlopen(f"{router.url}/metrics", timeout=10) as resp:
         return resp.read().decode()
-
-
-def probe_queries(dataset: InferenceDataset, stream, users: int = 20):
-    """The last replayed visit of the `users` users with the shortest histories (the least compute noise)."""
-    last = list({q.user_id: q for q in stream}.values())
-    ends = dataset.history_ends(np.array([q.user_id for q in last]), np.array([q.request_time_ms for q in last]))
-    return [last[i] for i in np.argsort(ends, kind="stable")[:users]]
-
-
-async def overhead_probe(router: Service, nodes: list[Service], queries, rounds: int) -> dict:
-    """The same requests straight to their node and through the router, interleaved (the cluster is idle).
-
-    Besides the end-to-end latencies it compares the time spent outside the node's batcher and
-    model (latency minus the node's queue_ms + compute_ms), which takes the model's run-to-run
-    noise out of the difference."""
-    import aiohttp
-
-    urls = {n.address: n.url for n in nodes}
-    latency: dict[str, list[float]] = {"direct": [], "router": []}
-    outside: dict[str, list[float]] = {"direct": [], "router": []}
-    paired: list[float] = []  # router minus direct, the same request back to back
-    async with aiohttp.ClientSession() as session:
-        home = {}
-        for q in queries:
-            status, body, _ = await post(session, router.url, q, 60.0)
-            if status == 200:
-                home[q.user_id] = body["node"]
-        for r in range(rounds):
-            for q in queries:
-                if q.user_id not in home:
-                    continue
-                order = (("direct", urls[home[q.user_id]]), ("router", router.url))
-                pair = {}
-                for path, url in (order if r % 2 else order[::-1]):
-                    started = time.perf_counter()
-                    status, body, _ = await post(session, url, q, 60.0)
-                    elapsed = (time.perf_counter() - started) * 1000.0
-                    if status == 200:
-                        latency[path].append(elapsed)
-                        outside[path].append(elapsed - body["queue_ms"] - body["compute_ms"])
-                        pair[path] = elapsed
-                if len(pair) == 2:
-                    paired.append(pair["router"] - pair["direct"])
-    p50 = {k: float(np.median(v)) for k, v in latency.items()}
-    out50 = {k: float(np.median(v)) for k, v in outside.items()}
-    return {"requests_each": len(latency["direct"]), "p50_direct_ms": p50["direct"], "p50_router_ms": p50["router"],
-            "p50_overhead_ms": p50["router"] - p50["direct"], "ratio": p50["router"] / p50["direct"],
-            "p50_outside_node_direct_ms": out50["direct"], "p50_outside_node_router_ms": out50["router"],
-            "p50_outside_node_overhead_ms": out50["router"] - out50["direct"],
-            "median_paired_overhead_ms": float(np.median(paired))}
 
 
 @dataclass

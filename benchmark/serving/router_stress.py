@@ -218,7 +218,7 @@ def measure_half_open(port: int, pid: int, half_open: int, conns: int, requests:
 
 
 # ---------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=50)
     p.add_argument("--stream_mib", type=int, default=8, help="each streaming client's pipelined bytes")
@@ -231,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency_requests", type=int, default=2000)
     p.add_argument("--header_timeout_s", type=float, default=600.0)
     add_output(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]

@@ -38,7 +38,8 @@ import redis as redis_client
 from benchmark.cli import add_output
 from benchmark.harness.launch import REPO_ROOT, Service, free_port, start_node, start_routers, wait_healthy, wait_until
 from benchmark.harness.visits import query_body, visit_queries
-from benchmark.report import pyplot, save_png, write_json
+from benchmark.report import write_json
+from benchmark.serving.soak_report import latency_windows, plot, rss_growth
 from serve.client import ScoreClient
 from serve.metrics import parse_samples
 
@@ -209,22 +210,8 @@ def run_load(soak: Soak, queries: list, expected: dict, args) -> list[dict]:
 def summarize(soak: Soak, results: list[dict], args) -> dict:
     ok = [r for r in results if r["ok"]]
     wrong = [r for r in ok if r["diff"] > 1e-5 * r["scale"]]
-    windows = []
-    for lo in np.arange(0.0, args.duration_s, args.window_s):
-        lat = [r["latency_s"] * 1000 for r in ok if lo <= r["t"] < lo + args.window_s]
-        if lat:
-            windows.append({"t": float(lo), "count": len(lat), "p50_ms": float(np.percentile(lat, 50)),
-                            "p99_ms": float(np.percentile(lat, 99))})
-    growth = {}
-    for name, series in soak.rss.items():
-        last_pid = series[-1][1]
-        born = next(t for t, pid, *_ in series if pid == last_pid)
-        mine = [(mb, cache) for t, pid, mb, cache in series if pid == last_pid and t >= born + args.warmup_s]
-        if len(mine) >= 2:  # the incarnation alive at the end, `--warmup_s` after its (re)start
-            (first, first_cache), (last, last_cache) = mine[0], mine[-1]
-            growth[name] = {"from_mb": first, "to_mb": last, "growth": last / first - 1,
-                            "cache_from_mb": first_cache, "cache_to_mb": last_cache,
-                            "growth_net_of_cache": (last - last_cache) / (first - first_cache) - 1}
+    windows = latency_windows(ok, args.duration_s, args.window_s)
+    growth = rss_growth(soak.rss, args.warmup_s)
     time.sleep(2.0)  # the load stopped: let offloads and the index settle
     pages = {}
     for i, node in enumerate(soak.nodes):
@@ -246,27 +233,6 @@ def summarize(soak: Soak, results: list[dict], args) -> dict:
         "rss": {name: [[round(t, 1), pid, round(mb, 1), round(cache, 1)] for t, pid, mb, cache in s]
                 for name, s in soak.rss.items()},
     }
-
-
-def plot(summary: dict, path: Path) -> None:
-    fig, (top, bottom) = pyplot().subplots(2, 1, figsize=(10, 7), sharex=True)
-    w = summary["windows"]
-    top.plot([x["t"] for x in w], [x["p99_ms"] for x in w], label="p99")
-    top.plot([x["t"] for x in w], [x["p50_ms"] for x in w], label="p50")
-    top.set_ylabel("latency (ms)")
-    for name, series in summary["rss"].items():
-        line, = bottom.plot([s[0] for s in series], [s[2] for s in series], label=f"{name} RSS")
-        if any(s[3] for s in series):
-            bottom.plot([s[0] for s in series], [s[2] - s[3] for s in series], color=line.get_color(),
-                        linestyle=":", label=f"{name} RSS less cache")
-    bottom.set_ylabel("MB")
-    bottom.set_xlabel("seconds")
-    for ax in (top, bottom):
-        for event in summary["events"]:
-            ax.axvline(event["t"], color="red" if event["event"].startswith("kill") else "green", alpha=0.4)
-        ax.legend(fontsize=7)
-    top.set_title(f"soak: {summary['requests']} requests, {summary['lost']} lost, {summary['wrong_logits']} wrong")
-    save_png(fig, path, dpi=90)
 
 
 def main(argv: list[str] | None = None) -> int:

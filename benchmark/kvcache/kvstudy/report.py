@@ -158,6 +158,30 @@ def render(result: StudyResult) -> str:
         "",
         _figure(result, "latency"),
         "",
+        *_footprint_section(result),
+        SECTIONS[3],
+        "",
+        *_onload_section(result),
+        SECTIONS[4],
+        "",
+        "Without the cache a user costs memory only while its visit runs (the full visit's peak); with it, its "
+        "pages stay resident between visits (on the device, or in a host tier once offloaded) and a visit adds "
+        "the cached path's peak.",
+        "",
+        markdown_table(["history", "without cache MiB", "with cache, during a visit MiB", "with cache, between visits MiB"],
+                       [[m.history, _mib(m.without_cache), _mib(m.with_cache_device), _mib(m.with_cache_resident)]
+                        for m in result.memory]),
+        "",
+        _figure(result, "memory"),
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _footprint_section(result: StudyResult) -> list[str]:
+    """Section 3: K/V bytes per user, the device budget and the largest batch it serves."""
+    s, v = result.setup, result.visits
+    out = [
         SECTIONS[2],
         "",
         "K/V bytes per user (pages of K and V of every layer plus each token's int64 time), per preset and dtype, "
@@ -185,20 +209,5 @@ def render(result: StudyResult) -> str:
         "",
         _figure(result, "kv_bytes"),
         "",
-        SECTIONS[3],
-        "",
-        *_onload_section(result),
-        SECTIONS[4],
-        "",
-        "Without the cache a user costs memory only while its visit runs (the full visit's peak); with it, its "
-        "pages stay resident between visits (on the device, or in a host tier once offloaded) and a visit adds "
-        "the cached path's peak.",
-        "",
-        markdown_table(["history", "without cache MiB", "with cache, during a visit MiB", "with cache, between visits MiB"],
-                       [[m.history, _mib(m.without_cache), _mib(m.with_cache_device), _mib(m.with_cache_resident)]
-                        for m in result.memory]),
-        "",
-        _figure(result, "memory"),
-        "",
     ]
-    return "\n".join(out)
+    return out
