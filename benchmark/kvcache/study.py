@@ -2,7 +2,7 @@
 user's K/V from a tier stops paying. One command; the same on CPU and CUDA (picked automatically).
 
     python -m benchmark.kvcache.study [--output_dir artifacts/kv_study] [--histories 256 1024 4096 16384]
-                                 [--tiers memory disk redis] [--codecs raw int8 ...] [--device cuda]
+                                      [--tiers memory disk redis] [--codecs raw int8 ...] [--device cuda]
 
 Writes `report.md`, its PNG figures and `results.json` to --output_dir and prints the report.
 Sections (benchmark/kvcache/kvstudy/): 1. the share of a full visit spent on the history against the

@@ -1,7 +1,7 @@
 """Tier benchmark: reloading a returning user's KV from each tier vs recomputing its history.
 
     python -m benchmark.kvcache.tiers [--tiers memory disk redis] [--histories 256 ... 8192]
-                                       [--threads N] [--redis_url URL] [--output artifacts/tier_benchmark.json]
+                                      [--threads N] [--redis_url URL] [--output artifacts/tier_benchmark.json]
 
 For each history length L (kuairand-1k geometry: 3 layers, 4 heads x 128, page 32):
   * reload (per tier): the user's L tokens are in the tier, not on the device. Timed through

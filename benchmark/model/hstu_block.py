@@ -1,7 +1,7 @@
 """HSTU block benchmark: incremental (KV cache) vs full recompute at the same shapes.
 
     python -m benchmark.model.hstu_block [--preset kuairand-1k] [--dtype bfloat16] [--cuda_graphs]
-                                             [--histories ...] [--batches ...] [--output hstu_block.json]
+                                         [--histories ...] [--batches ...] [--output hstu_block.json]
 
 For each history length L and batch size B, every user has L history tokens of which
 all but the last --new_tokens are already in the paged KV cache, and --candidates
