@@ -63,10 +63,10 @@ check-gpu-install: $(STAMP)
 # report (benchmark/gpu_report.py, under 20 minutes). DRY=1 runs every step's CPU part at tiny sizes.
 ifeq ($(GPU_KIT),)
 gpu-report: $(STAMP)
-	$(PY) benchmark/gpu_report.py --output $(REPORT_DIR) $(if $(DRY),--dry) $(GPU_REPORT_ARGS)
+	$(PY) -m benchmark.gpu_report --output $(REPORT_DIR) $(if $(DRY),--dry) $(GPU_REPORT_ARGS)
 else
 gpu-report:
-	bash -c 'source $(GPU_KIT)/setup.sh && python3 benchmark/gpu_report.py --output $(REPORT_DIR) $(if $(DRY),--dry) $(GPU_REPORT_ARGS)'
+	bash -c 'source $(GPU_KIT)/setup.sh && python3 -m benchmark.gpu_report --output $(REPORT_DIR) $(if $(DRY),--dry) $(GPU_REPORT_ARGS)'
 endif
 
 # The shared GPU kit plus the CPython 3.12 wheels of what the project added since it was made
@@ -87,9 +87,9 @@ endif
 			--preset $(DEMO_PRESET) --max_train_seconds $(TRAIN_SECONDS)
 	$(STEPS) --name replay -- $(PY) benchmark/inference_end2end_example.py --data_dir $(PROCESSED) \
 		--checkpoint $(CHECKPOINT) $(if $(DEMO_REQUESTS),--max_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/end2end.json
-	$(STEPS) --name quality -- $(PY) benchmark/quality_benchmark.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
+	$(STEPS) --name quality -- $(PY) -m benchmark.quality.against_baselines --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
 		--quick $(if $(DEMO_REQUESTS),--max_eval_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/quality.json
-	$(STEPS) --name ablation -- $(PY) benchmark/order_ablation.py --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
+	$(STEPS) --name ablation -- $(PY) -m benchmark.quality.order_ablation --data_dir $(PROCESSED) --checkpoint $(CHECKPOINT) \
 		--last_k 0 --no_shuffle $(if $(DEMO_REQUESTS),--max_requests $(DEMO_REQUESTS)) --output $(ARTIFACTS)/order_ablation.json
 	@$(STEPS) --report
 

@@ -1,7 +1,7 @@
 """One command for a GPU machine's first run: check it, test it, measure it, in one report.
 
-    python benchmark/gpu_report.py --output artifacts/gpu-report          # on a CUDA machine (make gpu-report)
-    python benchmark/gpu_report.py --output artifacts/gpu-report --dry    # here: every step's CPU part, tiny
+    python -m benchmark.gpu_report --output artifacts/gpu-report          # on a CUDA machine (make gpu-report)
+    python -m benchmark.gpu_report --output artifacts/gpu-report --dry    # here: every step's CPU part, tiny
 
 GPU time is scarce, so the run is planned to fit in 20 minutes and to spend them measuring:
 
@@ -9,9 +9,9 @@ GPU time is scarce, so the run is planned to fit in 20 minutes and to spend them
     tests      the CUDA tests: the Triton kernels and the CUDA graph, onload and cache tests on the device
     block      the HSTU block, bf16, CUDA graphs, B = 1/8/32, history 4096 (3968 cached + 128 new) + 256 candidates
     launches   kernel launches per batch at B = 1 and 8 (torch profiler), eager and graph replay, each
-               forward under torch.cuda.set_sync_debug_mode("error") (benchmark/launch_count.py)
+               forward under torch.cuda.set_sync_debug_mode("error") (benchmark/model/launch_count.py)
     end2end    the end-to-end replay of synthetic KuaiRand visits, cached vs full recompute, bf16
-    study      (named only: --steps study) the KV-reuse study on the device (benchmark/kv_study.py):
+    study      (named only: --steps study) the KV-reuse study on the device (benchmark/kvcache/study.py):
                histories 256-16k, reload from memory and disk per codec, into kv_study/ (a second run)
 
 Every step runs in its own process under its own time limit, and a failed step does not stop the
@@ -32,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmark.report import write_json
+
+REPO = Path(__file__).resolve().parents[1]
 BUDGET_SECONDS = 20 * 60
 STEP_NAMES = ("runtime", "tests", "block", "launches", "end2end")  # the first run's plan, within BUDGET_SECONDS
 EXTRA_STEP_NAMES = ("study",)  # run when named (--steps): the first run's budget has no room for them
@@ -101,10 +103,10 @@ def plan_steps(out: Path, work: Path, dry: bool) -> list[Step]:
              [[py, "tools/gpu_runtime_check.py"]], 60),
         Step("tests", "the CUDA tests (kernels; every test id naming cuda)", tests_commands, 400),
         Step("block", f"HSTU block benchmark ({dtype}{', CUDA graphs' if not dry else ''})",
-             [[py, "benchmark/hstu_block_benchmark.py", "--device", device, "--dtype", dtype, *block,
+             [[py, "-m", "benchmark.model.hstu_block", "--device", device, "--dtype", dtype, *block,
                "--output", str(out / "block.json")]], 240, "block.json"),
         Step("launches", f"kernel launches per batch, B=1/8, no host sync in the forward ({dtype})",
-             [[py, "benchmark/launch_count.py", "--device", device, "--dtype", dtype, *launches,
+             [[py, "-m", "benchmark.model.launch_count", "--device", device, "--dtype", dtype, *launches,
                "--output", str(out / "launches.json")]], 80, "launches.json"),
         Step("end2end", f"end-to-end replay, cached vs full recompute ({dtype})",
              [[py, "-m", "data.synthetic", "--out", str(raw), "--scale", scale, "--seed", "7", "--no_progress"],
@@ -113,7 +115,7 @@ def plan_steps(out: Path, work: Path, dry: bool) -> list[Step]:
               [py, "benchmark/inference_end2end_example.py", "--data_dir", str(data), "--device", device,
                "--dtype", dtype, *replay, "--quiet", "--output", str(out / "end2end.json")]], 360, "end2end.json"),
         Step("study", f"KV-reuse study: visits, memory and reload per tier and codec ({device})",
-             [[py, "benchmark/kv_study.py", "--device", device, *study, "--output_dir", str(out / "kv_study")]],
+             [[py, "-m", "benchmark.kvcache.study", "--device", device, *study, "--output_dir", str(out / "kv_study")]],
              300, "kv_study/results.json"),
     ]
 
@@ -191,7 +193,7 @@ def figures(results: list[StepResult], dry: bool) -> list[dict]:
 def write_report(out: Path, dry: bool, results: list[StepResult], seconds: float) -> dict:
     report = {"device": device_name(dry), "dry": dry, "torch": torch.__version__, "seconds": round(seconds, 1),
               "steps": [asdict(r) for r in results], "figures": figures(results, dry)}
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+    write_json(out / "report.json", report)
     lines = [f"# GPU report: {report['device']}", "",
              f"{'Dry run on CPU at tiny sizes: no figure below is a GPU measurement. ' if dry else ''}"
              f"torch {report['torch']}, {report['seconds']} s in all.", "",

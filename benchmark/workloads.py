@@ -11,13 +11,13 @@ import argparse
 import numpy as np
 import torch
 
+from benchmark.cli import DTYPES, add_device, add_dtype, refuse_missing_cuda
 from data.batch import VisitBatch
 from model.config import HSTUConfig, preset
 from model.recommender import HSTURecommender
 from model.video_tags import VideoTagTable
 
 T0_MS = 1_649_376_000_000
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 VIDEO_ID_RANGE = 10  # visit_batches draws video ids below this many times the model's video rows
 BENCHMARK_TAGS = 64  # about the demo data's 65 tag rows
 
@@ -25,8 +25,8 @@ BENCHMARK_TAGS = 64  # about the demo data's 65 tag rows
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--preset, --dtype, --device and the attention's options of a benchmark's model (`model_from_flags`)."""
     p.add_argument("--preset", default="kuairand-1k")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_dtype(p)
+    add_device(p)
     p.add_argument("--attention_window", type=int, default=0,
                    help="sliding attention window in events, 0 = every key (--recipe sequence serves 512)")
     p.add_argument("--tag_match", action="store_true",
@@ -36,9 +36,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 def model_from_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> HSTURecommender:
     """The preset's model with small embedding tables and no contextual prefix (lookups are a small part of
     the cost, and the model then fits anywhere), seeded, in --dtype on --device, in eval mode."""
+    refuse_missing_cuda(p, args.device)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available on this machine")
     if args.attention_window < 0:
         p.error(f"--attention_window must be >= 0, got {args.attention_window}")
     cfg = preset(args.preset, video_hash_size=1024, user_feature_cardinalities=(),

@@ -15,7 +15,7 @@ The server:
   lost when the server crashes. A server switched away from them at run time is noticed within
   `fsync_check_interval_s`, and its appends refused (history/redis_durability.py).
 * **Memory.** About 400 bytes per event (its dedup key, its entry in the user's history, the video
-  counters): 10M events take ~4 GB. benchmark/history_ingest.py measures it.
+  counters): 10M events take ~4 GB. benchmark/history/ingest.py measures it.
 * **Time.** The script holds the server ~20-50 µs per event (while it runs, other clients wait), so
   keep appends to a few thousand events: 50,000 take 1-2 s.
 

@@ -11,7 +11,7 @@ each event is a click with probability `click_rate`. A candidate is clicked iff
 Both depend on order: shuffling a history (events permuted, timestamps kept, as the order ablation
 of model/order_ablation.py does) keeps every tag of the window but moves the recent ones, so a
 model that reads order loses its AUC and one that only counts tags keeps it.
-`benchmark/order_learning.py` trains presets on it; a unit test trains the tiny one.
+A unit test trains the tiny preset on it (the presets' runs: docs/notebook/2026-11-27-video-tags.md).
 
     >>> task = OrderTask(history=16, candidates=4)
     >>> batch = task.batch(np.random.default_rng(0), num_users=2)

@@ -11,7 +11,6 @@ One concept per module (docs/serving.md draws how they fit):
 * `locality_index` / `index_publisher`: which node holds which user's K/V, in Redis, and its writer;
 * `policies`: how the router picks a node; `node_pool`: the router's view of its nodes' health;
 * `metrics`: Prometheus metrics (prometheus-client); `client`: a client that retries on another router;
-* `launch`: start a local cluster's processes (tests, benchmark);
 * `node` / `router`: the two HTTP processes, thin layers over the above.
 
 The package root imports nothing heavy: the router never imports torch.

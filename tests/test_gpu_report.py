@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gpu_report
 import pytest
 
+from benchmark import gpu_report
 from helpers import REPO_ROOT, subprocess_env
 
 
@@ -35,7 +35,7 @@ def test_the_gpu_plan_measures_the_target_shapes_within_the_budget(tmp_path):
 @pytest.mark.slow
 def test_the_dry_run_executes_every_step_and_reports(tmp_path):
     out = tmp_path / "report"
-    command = [sys.executable, "benchmark/gpu_report.py", "--dry", "--output", str(out), "--work", str(tmp_path / "work")]
+    command = [sys.executable, "-m", "benchmark.gpu_report", "--dry", "--output", str(out), "--work", str(tmp_path / "work")]
     run = subprocess.run(command, cwd=REPO_ROOT,
                          env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -88,9 +88,8 @@ def test_a_host_sync_in_the_forward_is_named_and_the_launches_still_counted(monk
     import argparse
     from contextlib import contextmanager
 
-    import launch_count
-
-    from workloads import add_model_flags, model_from_flags
+    from benchmark.model import launch_count
+    from benchmark.workloads import add_model_flags, model_from_flags
 
     @contextmanager
     def raising(device):

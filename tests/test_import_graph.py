@@ -2,8 +2,7 @@
 the lower packages never import the ones built on them.
 
 Every import counts: at module level, inside a function, and under `TYPE_CHECKING` (a circle a type
-checker walks is still a circle a reader walks). Modules are files: `a.b` is `a/b.py` or `a/b/__init__.py`;
-benchmark/ is a folder of scripts on the path (pyproject's pythonpath), so its modules are named from there.
+checker walks is still a circle a reader walks). Modules are files: `a.b` is `a/b.py` or `a/b/__init__.py`.
 """
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("data", "kvcache", "model", "history", "serve")
-SCRIPT_ROOTS = {ROOT: LIBRARY, ROOT / "benchmark": None}  # None: every module under that root
+PACKAGES = (*LIBRARY, "benchmark")  # the lab: benchmarks and the tests' harness, above the library
 
 # What each library package may import of the project (besides itself). kvcache/ and data/ are the floor.
 ALLOWED = {
@@ -23,20 +22,16 @@ ALLOWED = {
     "history": {"data"},
     "serve": {"data", "kvcache", "model", "history"},
 }
-# Arrows back up that hold today, each with where it goes (issue 42): none may be added.
-KNOWN_UPWARD = {("history.live_replay", "model.visit")}  # the replay harness moves to benchmark/
 
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for root, packages in SCRIPT_ROOTS.items():
-        tops = [root / p for p in packages] if packages else [root]
-        for top in tops:
-            for path in top.rglob("*.py"):
-                parts = list(path.relative_to(root).with_suffix("").parts)
-                if parts[-1] == "__init__":
-                    parts.pop()
-                found[".".join(parts)] = path
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
     return found
 
 
@@ -124,11 +119,11 @@ def _package(module: str) -> str:
 
 def test_the_graph_sees_the_project():
     graph = import_graph()
-    assert {"kvcache.config", "kvcache.page_layout", "serve.http_server", "inference_end2end_example"} <= graph.keys()
+    assert {"kvcache.config", "kvcache.page_layout", "serve.http_server", "benchmark.inference_end2end_example"} <= graph.keys()
     assert "kvcache.page_layout" in graph["kvcache.config"]
     assert "serve.http_limits" in graph["serve.http_connection"]  # `from serve.http_limits import ...`
     assert "kvcache.codecs" in graph["kvcache.config"]  # `from .codecs import ...`: relative, package
-    assert "end2end_args" in graph["inference_end2end_example"]  # a benchmark script's sibling
+    assert "benchmark.serving.end2end_args" in graph["benchmark.serving.end2end"]  # a benchmark's sibling
 
 
 def test_a_circle_is_found():
@@ -148,7 +143,7 @@ def test_each_library_package_imports_only_the_ones_below_it():
         for target in targets:
             if _package(target) != _package(module) and _package(target) not in ALLOWED[_package(module)]:
                 upward.add((module, target))
-    assert upward == KNOWN_UPWARD
+    assert upward == set()
 
 
 def test_the_library_never_imports_a_benchmark():

@@ -13,7 +13,7 @@ Per candidate c of a visit, over the visit's last `last_events` real history eve
 
 and one logistic regression per task over the five, fitted on the training visits' candidates.
 On the demo's data the tag share alone adds +0.045 click AUC to the HSTU and +0.047 to matrix
-factorisation (`benchmark/tag_probe.py`, docs/model.md "What the history's tags hold").
+factorisation (`benchmark/quality/tag_probe.py`, docs/model.md "What the history's tags hold").
 """
 from __future__ import annotations
 

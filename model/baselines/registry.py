@@ -34,7 +34,7 @@ BASELINES: tuple[Baseline, ...] = (
 )
 
 # The same baselines with one point each (two where the level is tuned), the points the full grids
-# settle on most often: for `make demo` (quality_benchmark.py --quick), whose time budget the full
+# settle on most often: for `make demo` (benchmark/quality/against_baselines.py --quick), whose time budget the full
 # grids would overrun. The regimes benchmark and the figures in the docs use the full grids.
 _QUICK = {
     UserKNN.name: (dict(neighbours=10),),

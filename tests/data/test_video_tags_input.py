@@ -111,7 +111,7 @@ def test_training_with_tags_on_data_without_them_is_refused(tmp_path: Path):
 
 
 def test_tag_probe_refuses_data_without_tags(tmp_path: Path, capsys):
-    from tag_probe import main
+    from benchmark.quality.tag_probe import main
 
     preprocess(raw_dir(tmp_path / "a", None), tmp_path / "out", PreprocessParams(), progress=False)
     assert main(["--data_dir", str(tmp_path / "out")]) == 2

@@ -1,4 +1,4 @@
-"""benchmark/hstu_block_benchmark.py and the benchmarks' shared model flags (benchmark/workloads.py)."""
+"""benchmark/model/hstu_block.py and the benchmarks' shared model flags (benchmark/workloads.py)."""
 from __future__ import annotations
 
 import argparse
@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
+from benchmark.model.hstu_block import layer_flops
+from benchmark.workloads import add_model_flags, model_from_flags, visit_batches
 from helpers import REPO_ROOT, subprocess_env
-from hstu_block_benchmark import layer_flops
 from model.config import preset
-from workloads import add_model_flags, model_from_flags, visit_batches
 
 
 def _model(*flags: str):
@@ -56,7 +56,7 @@ def test_a_negative_window_is_refused_by_name(capsys):
 def test_the_block_benchmark_runs_the_tag_matching_windowed_model(tmp_path):
     out = tmp_path / "block.json"
     run = subprocess.run(
-        [sys.executable, "benchmark/hstu_block_benchmark.py", "--preset", "tiny", "--device", "cpu", "--tag_match",
+        [sys.executable, "-m", "benchmark.model.hstu_block", "--preset", "tiny", "--device", "cpu", "--tag_match",
          "--attention_window", "16", "--histories", "64", "--batches", "1", "2", "--new_tokens", "8",
          "--candidates", "4", "--repeats", "1", "--output", str(out)],
         cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)

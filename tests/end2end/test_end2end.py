@@ -1,7 +1,6 @@
 """The whole pipeline on a tiny generated dataset: generate -> preprocess -> train -> replay both ways."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,19 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmark.serving import end2end
+from benchmark.serving.end2end_args import build_parser, parse_args
+from benchmark.serving.replay_setup import load_model
 from data.dataset import InferenceDataset
 from helpers import REPO_ROOT as ROOT
 from helpers import build_processed
 from model.train import main as train_main
 
-EXAMPLE = ROOT / "benchmark" / "inference_end2end_example.py"
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("inference_end2end_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+EXAMPLE = ROOT / "benchmark" / "inference_end2end_example.py"  # the published entry point, run as a file
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +38,7 @@ def test_the_trainer_refuses_a_model_its_options_cannot_build(pipeline, tmp_path
 
 
 def run_example(args: list[str]) -> int:
-    return load_example().main(args + ["--quiet"])
+    return end2end.main(args + ["--quiet"])
 
 
 def test_cached_and_full_recompute_agree_end_to_end(pipeline, tmp_path):
@@ -104,10 +99,9 @@ def test_a_recipe_shapes_the_random_model_as_training_starts_it(pipeline, tmp_pa
     assert model["video_hash_size"] > 1
     assert result["parity"] == "pass" and result["max_abs_logit_diff"] <= 1e-4
     assert 0.0 <= result["window_tokens_never_read_again"] < 1.0
-    example = load_example()
-    args = example.parse_args(example.build_parser(""), ["--data_dir", str(pipeline / "processed"), "--preset", "tiny",
-                                                       "--recipe", "default", "--attention_window", "16"])
-    served = example.load_model(args, InferenceDataset(pipeline / "processed"))
+    args = parse_args(build_parser(""), ["--data_dir", str(pipeline / "processed"), "--preset", "tiny",
+                                         "--recipe", "default", "--attention_window", "16"])
+    served = load_model(args, InferenceDataset(pipeline / "processed"))
     assert served.config.attention_window == 16  # --attention_window still wins
     assert all(torch.all(layer.relative_bias.tag_match.detach() == TAG_MATCH_PRIOR) for layer in served.layers)
 

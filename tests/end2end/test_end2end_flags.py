@@ -1,8 +1,7 @@
-"""Every flag of inference_end2end_example.py refuses a bad value with an argparse-style
+"""Every flag of the end-to-end replay (benchmark/inference_end2end_example.py) refuses a bad value with an argparse-style
 `error:` line naming the flag (exit status 2), before the long work; none falls back silently."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -13,20 +12,15 @@ import torch
 
 from helpers import REPO_ROOT, build_processed, subprocess_env
 
-EXAMPLE = REPO_ROOT / "benchmark" / "inference_end2end_example.py"
+EXAMPLE = REPO_ROOT / "benchmark" / "inference_end2end_example.py"  # the published entry point, run as a file
 NOT_LOADED = "/nonexistent/processed"  # a parse-time refusal never gets as far as reading --data_dir
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("inference_end2end_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def example():
-    return load_example()
+    from benchmark.serving import end2end
+
+    return end2end
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +165,8 @@ def test_a_directory_that_is_not_an_output_names_data_dir(example, tmp_path: Pat
 
 
 def test_replay_defaults_are_the_parsers_with_the_fields_given_over_them(tmp_path: Path):
-    """What kv_codec_report.py and kv_entropy.py hand to the replay's load_model and cache_config."""
-    from end2end_args import build_parser, parse_args, replay_defaults
+    """What kvcache/codec_report.py and kvcache/entropy.py hand to the replay's load_model and cache_config."""
+    from benchmark.serving.end2end_args import build_parser, parse_args, replay_defaults
 
     parsed = vars(parse_args(build_parser(""), ["--data_dir", str(tmp_path)]))
     given = vars(replay_defaults(data_dir=str(tmp_path), device="cpu", batch_size=3, codecs=["raw"]))

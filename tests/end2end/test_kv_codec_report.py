@@ -1,4 +1,4 @@
-"""benchmark/kv_codec_report.py end to end on tiny data: exact codecs report no logit change, lossy ones a
+"""benchmark/kvcache/codec_report.py end to end on tiny data: exact codecs report no logit change, lossy ones a
 small one and fewer bytes, and the full-recompute reference is written once and reused."""
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from helpers import build_processed
 
 @pytest.fixture(scope="module")
 def report():
-    """benchmark/kv_codec_report.py (benchmark/ is on pytest's pythonpath, for the scripts' sibling imports)."""
-    import kv_codec_report
+    from benchmark.kvcache import codec_report
 
-    return kv_codec_report
+    return codec_report
 
 
 def test_report_rows_per_codec_and_a_reused_reference(report, tmp_path):

@@ -1,4 +1,4 @@
-"""benchmark/kv_entropy.py: the order-0 bound on values whose entropy is known, and the script end to end."""
+"""benchmark/kvcache/entropy.py: the order-0 bound on values whose entropy is known, and the script end to end."""
 from __future__ import annotations
 
 import json
@@ -11,10 +11,9 @@ from helpers import build_processed
 
 @pytest.fixture(scope="module")
 def kv_entropy():
-    """benchmark/kv_entropy.py (benchmark/ is on pytest's pythonpath, for the scripts' sibling imports)."""
-    import kv_entropy
+    from benchmark.kvcache import entropy
 
-    return kv_entropy
+    return entropy
 
 
 def test_order0_bound_of_known_distributions(kv_entropy):

@@ -1,4 +1,4 @@
-"""Smoke test: the KV-reuse study (benchmark/kv_study.py) runs every section end to end at tiny sizes
+"""Smoke test: the KV-reuse study (benchmark/kvcache/study.py) runs every section end to end at tiny sizes
 and writes the report, its figures and the JSON (the real run is in docs/kv_study/)."""
 import json
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import redis
 
-import kv_study
+from benchmark.kvcache import study as kv_study
+from benchmark.kvcache.kvstudy.report import SECTIONS
 from kvcache.codecs import codec_names
-from kvstudy.report import SECTIONS
 
 FIGURES = {"share", "latency", "kv_bytes", "onload", "memory"}
 

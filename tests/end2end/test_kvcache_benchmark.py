@@ -9,7 +9,7 @@ from helpers import REPO_ROOT as ROOT
 def test_benchmark_runs_quick(tmp_path):
     out = tmp_path / "kvcache_ops.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmark" / "kvcache_ops_benchmark.py"), "--quick", "--device", "cpu",
+        [sys.executable, "-m", "benchmark.kvcache.ops", "--quick", "--device", "cpu",
          "--output", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )

@@ -1,12 +1,12 @@
-"""benchmark/tag_probe.py: on generated sequential data the tags carry click signal that random tags do not, and
+"""benchmark/quality/tag_probe.py: on generated sequential data the tags carry click signal that random tags do not, and
 the stack of the tag counts on a scorer adds what the scorer does not read."""
 from __future__ import annotations
 
 import json
 
 import numpy as np
-from tag_probe import cross_fitted_stack, main, probe
 
+from benchmark.quality.tag_probe import cross_fitted_stack, main, probe
 from data.dataset import InferenceDataset
 from helpers import build_processed
 from model.baselines.affinity import logistic_fit

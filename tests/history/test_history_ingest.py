@@ -1,10 +1,9 @@
-"""benchmark/history_ingest.py runs end to end on tiny inputs and writes what it prints."""
+"""benchmark/history/ingest.py runs end to end on tiny inputs and writes what it prints."""
 from __future__ import annotations
 
 import json
 
-from history_ingest import main
-
+from benchmark.history.ingest import main
 from kvcache.local_redis import redis_server_binary
 
 

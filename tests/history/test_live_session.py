@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmark.harness.live_traffic import live_steps, visits_of
 from data.dataset import InferenceDataset
 from helpers import assert_logits_close, build_processed, make_cache, sensitive_model
 from history.bootstrap import bootstrap_from_output, dataset_events
 from history.events import EventBatch
-from history.live_replay import live_steps, visits_of
 from history.sqlite_store import SQLiteHistoryStore
 from model.config import config_for_dataset
 from model.inference import InferenceSession

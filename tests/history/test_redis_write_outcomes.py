@@ -8,11 +8,11 @@ import asyncio
 import numpy as np
 import pytest
 
+from benchmark.harness.launch import free_port
 from helpers import T0
 from history import AppendOutcomeUnknownError, EventBatch, HistoryUnavailableError
 from history.redis_store import RedisHistoryStore
 from serve.ingest import Ingestor
-from serve.launch import free_port
 from serve.metrics import Registry
 from serve.protocol import RequestError
 

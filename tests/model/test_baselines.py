@@ -12,7 +12,7 @@ import pytest
 
 from data.dataset import InferenceDataset
 from data.schema import beijing_midnight_ms
-from helpers import REPO_ROOT, block_taste_events, build_processed, click_interactions, subprocess_env
+from helpers import block_taste_events, build_processed, click_interactions, subprocess_env
 from model.baselines import (
     Baseline,
     ImplicitALS,
@@ -205,7 +205,7 @@ def test_quality_benchmark_script(processed, tmp_path):
     table of each seed and the smallest margin."""
     out = tmp_path / "quality.json"
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmark" / "quality_benchmark.py"), "--data_dir", str(processed),
+        [sys.executable, "-m", "benchmark.quality.against_baselines", "--data_dir", str(processed),
          "--checkpoint", str(tmp_path / "ckpt"), "--preset", "tiny", "--epochs", "1", "--max_eval_requests", "60",
          "--seeds", "0", "3", "--quick", "--output", str(out)],
         # Two seeds, each fitting every baseline at its quick point (the full grids: the tuning tests).
@@ -238,7 +238,7 @@ def test_quality_benchmark_script(processed, tmp_path):
 
 def test_quality_benchmark_refuses_a_repeated_seed(processed, tmp_path):
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmark" / "quality_benchmark.py"), "--data_dir", str(processed),
+        [sys.executable, "-m", "benchmark.quality.against_baselines", "--data_dir", str(processed),
          "--checkpoint", str(tmp_path / "ckpt"), "--seeds", "1", "1", "--output", str(tmp_path / "q.json")],
         capture_output=True, text=True, env=subprocess_env(), timeout=300,
     )
@@ -248,7 +248,7 @@ def test_quality_benchmark_refuses_a_repeated_seed(processed, tmp_path):
 
 def test_quality_benchmark_refuses_an_unknown_baseline(processed, tmp_path):
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmark" / "quality_benchmark.py"), "--data_dir", str(processed),
+        [sys.executable, "-m", "benchmark.quality.against_baselines", "--data_dir", str(processed),
          "--baselines", "item popularity", "random forest", "--output", str(tmp_path / "q.json")],
         capture_output=True, text=True, env=subprocess_env(), timeout=300,
     )

@@ -64,7 +64,7 @@ def test_the_trainer_refuses_a_delay_that_leaves_no_epoch_to_train(tmp_path, cap
 
 @pytest.mark.parametrize("option", [("--candidate_terms_delay_epochs", "5"), ("--next_item_loss_weight", "-1")])
 def test_the_quality_benchmark_refuses_a_bad_recipe_with_an_error_line(tmp_path, capsys, option):
-    from benchmark.quality_benchmark import main
+    from benchmark.quality.against_baselines import main
 
     checkpoint, output = tmp_path / "ckpt", tmp_path / "q.json"
     argv = ["--data_dir", str(tmp_path / "absent"), "--checkpoint", str(checkpoint), "--retrain", "--epochs", "3",
@@ -117,8 +117,8 @@ def test_a_named_recipe_sets_the_defaults_and_explicit_options_win():
 
 
 def test_the_benchmarks_refuse_bad_interval_and_baseline_options(tmp_path, capsys):
-    from benchmark.quality_benchmark import main as quality_main
-    from benchmark.tag_probe import main as probe_main
+    from benchmark.quality.against_baselines import main as quality_main
+    from benchmark.quality.tag_probe import main as probe_main
 
     output = tmp_path / "q.json"
     with pytest.raises(SystemExit):

@@ -1,4 +1,4 @@
-"""The order ablation (model/order_ablation.py, benchmark/order_ablation.py): what each variant feeds
+"""The order ablation (model/order_ablation.py, benchmark/quality/order_ablation.py): what each variant feeds
 the model, and what it reports."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from benchmark.order_ablation import main as ablation_main
+from benchmark.quality.order_ablation import main as ablation_main
 from data.dataset import InferenceDataset
 from data.schema import DEFAULT_SPLIT_DATE, beijing_midnight_ms
 from helpers import Visit, build_processed, make_batch, random_histories, sensitive_model, tiny_config

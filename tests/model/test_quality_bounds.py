@@ -1,4 +1,4 @@
-"""benchmark/quality_bounds.py: the generator's own quantities as scores, and the quality posterior."""
+"""benchmark/quality/bounds.py: the generator's own quantities as scores, and the quality posterior."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from benchmark.quality_bounds import bayes_click_probability, candidate_sightings, quality_posterior_mean, sighting_buckets
+from benchmark.quality.bounds import bayes_click_probability, candidate_sightings, quality_posterior_mean, sighting_buckets
 from data.synthetic_world import World, draw_actions, signal_config
-from helpers import REPO_ROOT, build_processed, subprocess_env
+from helpers import build_processed, subprocess_env
 from model.baselines import Interactions
 
 
@@ -76,7 +76,7 @@ def processed(tmp_path_factory):
 def _run(processed, tmp_path, seed):
     out = tmp_path / f"bounds_{seed}.json"
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmark" / "quality_bounds.py"), "--data_dir", str(processed),
+        [sys.executable, "-m", "benchmark.quality.bounds", "--data_dir", str(processed),
          "--scale", "0.002", "--seed", str(seed), "--signal", "mixed", "--output", str(out)],
         capture_output=True, text=True, env=subprocess_env(), timeout=600,
     )
@@ -109,7 +109,7 @@ def test_quality_bounds_refuses_data_of_another_world(processed, tmp_path):
 
 def test_quality_bounds_names_a_missing_data_dir(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmark" / "quality_bounds.py"), "--data_dir", str(tmp_path / "nope"),
+        [sys.executable, "-m", "benchmark.quality.bounds", "--data_dir", str(tmp_path / "nope"),
          "--scale", "0.002", "--seed", "3", "--signal", "mixed", "--output", str(tmp_path / "out.json")],
         capture_output=True, text=True, env=subprocess_env(), timeout=300,
     )

@@ -1,4 +1,4 @@
-"""benchmark/quality_regimes.py: the row it reads from a run's three JSON files, its table and picture,
+"""benchmark/quality/regimes.py: the row it reads from a run's three JSON files, its table and picture,
 its resume rule, and its refusal of an unknown regime (the steps themselves are the benchmarks' own)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmark import quality_regimes
+from benchmark.quality import regimes as quality_regimes
 
 
 def _write_run(home, hstu: float, best: float, shuffled: float | None) -> None:

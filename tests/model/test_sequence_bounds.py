@@ -1,4 +1,4 @@
-"""benchmark/sequence_bounds.py: on sequential data, what the order of a user's history is worth."""
+"""benchmark/quality/sequence_bounds.py: on sequential data, what the order of a user's history is worth."""
 from __future__ import annotations
 
 import json
@@ -8,13 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from data.dataset import InferenceDataset
-from data.schema import DEFAULT_SPLIT_DATE
-from data.synthetic import generate, signal_config
-from helpers import REPO_ROOT, build_processed, subprocess_env
-from model.quality import quality_split
-from model.video_tags import VideoTagTable
-from sequence_bounds import (
+from benchmark.quality.sequence_bounds import (
     AS_BAG,
     FROM_TAGS,
     IN_ORDER,
@@ -27,6 +21,12 @@ from sequence_bounds import (
     order_bounds,
     sequence_scores,
 )
+from data.dataset import InferenceDataset
+from data.schema import DEFAULT_SPLIT_DATE
+from data.synthetic import generate, signal_config
+from helpers import build_processed, subprocess_env
+from model.quality import quality_split
+from model.video_tags import VideoTagTable
 
 SCALE, SEED = 0.002, 3
 
@@ -98,7 +98,7 @@ def test_quality_bounds_script_reports_what_the_order_is_worth(world_and_data, t
     _summary, dataset, _split = world_and_data
     out = tmp_path / "bounds.json"
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmark" / "quality_bounds.py"), "--data_dir", str(dataset.root),
+        [sys.executable, "-m", "benchmark.quality.bounds", "--data_dir", str(dataset.root),
          "--scale", str(SCALE), "--seed", str(SEED), "--signal", "sequential", "--max_eval_requests", "60",
          "--output", str(out)],
         capture_output=True, text=True, env=subprocess_env(), timeout=600,

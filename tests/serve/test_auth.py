@@ -10,11 +10,11 @@ import os
 import pytest
 
 import serve.auth_tokens as auth_tokens
+from benchmark.harness.launch import free_port
 from serve.auth import RouterGate, node_guard, router_gate
 from serve.auth_tokens import ClientTokens, NodeTokens, TokenFileError
 from serve.http_routes import Request, Response, Routes
 from serve.http_server import HttpServer
-from serve.launch import free_port
 from serve.node_pool import NodePool
 from serve.policies import make_policy
 from serve.quota import EventQuota

@@ -9,9 +9,9 @@ import urllib.request
 import numpy as np
 import pytest
 
+from benchmark.harness.launch import start_node, start_router, wait_healthy
 from data.dataset import InferenceDataset
 from serve.client import ScoreClient
-from serve.launch import start_node, start_router, wait_healthy
 from serve.protocol import RequestError
 
 pytestmark = pytest.mark.slow

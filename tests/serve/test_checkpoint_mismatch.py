@@ -35,7 +35,7 @@ def test_load_checkpoint_names_the_tensor_and_both_shapes(mismatched):
 
 
 def test_the_end_to_end_example_prints_an_error_line(mismatched, capsys):
-    from inference_end2end_example import main
+    from benchmark.serving.end2end import main
 
     data_dir, bad, name, (stored, built) = mismatched
     assert main(["--data_dir", str(data_dir), "--checkpoint", str(bad)]) == 2

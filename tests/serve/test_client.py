@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from benchmark.harness.launch import free_port
 from serve.client import RoutersUnavailableError, ScoreClient
-from serve.launch import free_port
 from serve.protocol import RequestError
 
 REQUEST = {"user_id": 7, "request_time_ms": 1_650_000_000_000, "candidate_video_ids": [1, 2]}

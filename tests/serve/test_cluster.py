@@ -16,16 +16,16 @@ import pytest
 import redis
 import torch
 
+from benchmark.harness.launch import start_node, start_router, wait_healthy, wait_until
+from benchmark.harness.visits import query_body, visit_queries
 from data.dataset import InferenceDataset
 from data.schema import TIME_MS_RANGE
 from helpers import assert_logits_close, offline_logits
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from model.checkpoint import load_checkpoint, model_fingerprint
-from serve.launch import start_node, start_router, wait_healthy, wait_until
 from serve.locality_index import IndexKeys, decode
 from serve.metrics import parse_samples
 from serve.policies import NodeView, StickyHash
-from serve.visits import query_body, visit_queries
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 30.0

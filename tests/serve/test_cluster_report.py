@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import numpy as np
-from cluster_report import plot, summarize, summarize_repeats, table
 
-from serve.loadgen import Sent
+from benchmark.harness.loadgen import Sent
+from benchmark.serving.cluster_report import plot, summarize, summarize_repeats, table
 from serve.protocol import ScoreQuery
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmark.harness.visits import visit_queries
 from data.dataset import InferenceDataset
 from helpers import assert_logits_close, make_cache
 from kvcache import KVCacheRequestError
@@ -12,7 +13,6 @@ from model.checkpoint import load_checkpoint
 from model.inference import InferenceSession
 from serve.engine import EngineConfig, open_engine
 from serve.protocol import RequestError, ScoreQuery
-from serve.visits import visit_queries
 
 
 def engine_for(artifacts, **overrides):

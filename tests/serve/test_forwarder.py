@@ -6,8 +6,8 @@ import asyncio
 import pytest
 from aiohttp import web
 
+from benchmark.harness.launch import free_port
 from serve.forwarder import ForwardError, NodeConnections
-from serve.launch import free_port
 
 
 async def serve(handler, port: int | None = None) -> tuple[web.AppRunner, int]:

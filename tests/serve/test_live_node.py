@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 import torch
 
+from benchmark.harness.launch import start_node, start_router, wait_healthy
+from benchmark.harness.live_traffic import live_steps
+from benchmark.harness.visits import visit_queries
 from data.dataset import InferenceDataset
 from helpers import assert_logits_close, offline_logits
 from history.bootstrap import bootstrap_from_output
-from history.live_replay import live_steps
 from history.sqlite_store import SQLiteHistoryStore
 from model.checkpoint import load_checkpoint
-from serve.launch import start_node, start_router, wait_healthy
-from serve.visits import visit_queries
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 30.0

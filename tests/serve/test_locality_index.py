@@ -8,11 +8,11 @@ import time
 import redis
 import redis.asyncio as aioredis
 
+from benchmark.harness.launch import wait_until
 from helpers import unique_namespace
 from kvcache import CacheEvent, CacheLocation
 from serve.index_mirror import IndexMirror
 from serve.index_publisher import IndexPublisher
-from serve.launch import wait_until
 from serve.locality_index import (
     DEVICE,
     HOST,

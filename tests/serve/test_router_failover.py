@@ -6,8 +6,8 @@ import json
 
 from aiohttp import web
 
+from benchmark.harness.launch import free_port
 from serve.http_routes import Request
-from serve.launch import free_port
 from serve.metrics import parse_samples
 from serve.node_pool import NodePool
 from serve.policies import make_policy

@@ -10,14 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from benchmark.harness.launch import Service, start_node, start_routers, wait_healthy, wait_until
+from benchmark.harness.visits import query_body, visit_queries
 from data.dataset import InferenceDataset
 from helpers import assert_logits_close, offline_logits
 from kvcache.local_redis import LocalRedisServer, redis_server_binary
 from model.checkpoint import load_checkpoint
 from serve.client import ScoreClient
-from serve.launch import Service, start_node, start_routers, wait_healthy, wait_until
 from serve.metrics import parse_samples
-from serve.visits import query_body, visit_queries
 
 pytestmark = pytest.mark.slow
 NODE_ARGS = ["--kv_pages", "512", "--max_wait_ms", "1", "--heartbeat_s", "0.2", "--index_ttl_s", "1.0",

@@ -1,4 +1,4 @@
-"""benchmark/router_stress.py and benchmark/soak.py in tiny modes, so that they cannot rot: they run
+"""benchmark/serving/router_stress.py and benchmark/serving/soak.py in tiny modes, so that they cannot rot: they run
 end to end and write the fields docs/serving.md quotes. Their figures are not checked here (timed
 results on a shared CI machine would be flaky); the recorded runs are in docs/serving.md."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def test_router_stress_tiny_mode_writes_its_ratios(tmp_path):
     out = tmp_path / "stress.json"
-    subprocess.run([sys.executable, "benchmark/router_stress.py", "--clients", "3", "--stream_mib", "1",
+    subprocess.run([sys.executable, "-m", "benchmark.serving.router_stress", "--clients", "3", "--stream_mib", "1",
                     "--half_open", "50", "--holders", "2", "--latency_requests", "100", "--output", str(out)],
                    cwd=REPO_ROOT, env=subprocess_env(), check=True, timeout=120)
     result = json.loads(out.read_text())
@@ -32,7 +32,7 @@ def test_soak_tiny_mode_runs_end_to_end_with_its_kills(tmp_path, serving_artifac
         pytest.skip("redis-server is not installed")
     data_dir, checkpoint = serving_artifacts
     out = tmp_path / "soak.json"
-    subprocess.run([sys.executable, "benchmark/soak.py", "--data_dir", str(data_dir), "--checkpoint", str(checkpoint),
+    subprocess.run([sys.executable, "-m", "benchmark.serving.soak", "--data_dir", str(data_dir), "--checkpoint", str(checkpoint),
                     "--workdir", str(tmp_path), "--duration_s", "20", "--rate", "3", "--visits", "30",
                     "--down_s", "1", "--warmup_s", "2", "--window_s", "5", "--sample_s", "1", "--output", str(out)],
                    cwd=REPO_ROOT, env=subprocess_env(), check=True, timeout=180)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from benchmark.harness.visits import visit_queries
 from data.schema import TIME_MS_RANGE
 from helpers import assert_logits_close, offline_logits
 from model.attention.token_stamp import STAMP_TIME_MASK
 from model.checkpoint import load_checkpoint
 from serve.engine import EngineConfig, open_engine
 from serve.protocol import RequestError, ScoreQuery
-from serve.visits import visit_queries
 
 VALID_VISITS = 90
 SEED = 43

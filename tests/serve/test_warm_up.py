@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from benchmark.harness.visits import visit_queries
 from model.attention import recording_variants, triton_attention
 from serve.engine import EngineConfig, open_engine
 from serve.node import Node
-from serve.visits import visit_queries
 
 
 def engine_for(artifacts, **overrides):

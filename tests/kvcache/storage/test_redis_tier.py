@@ -1,7 +1,5 @@
 """RedisHostStorage against a real redis-server: the HostKVStorage contract, integrity, sharing, capacity."""
-import importlib.util
 import json
-import sys
 import threading
 import time
 
@@ -9,7 +7,7 @@ import pytest
 import redis
 import torch
 
-from helpers import REPO_ROOT as ROOT
+from benchmark.kvcache import tiers as bench
 from helpers import TINY_LAYOUT_ARGS, host_pages, pages_equal, unique_namespace
 from kvcache import (
     FailOpenStorage,
@@ -488,17 +486,8 @@ def test_reads_recover_after_the_server_drops_the_connections(redis_server):
     assert pages_equal(hp.pages, _random_pages(3, seed=4))
 
 
-def _tier_benchmark(monkeypatch):
-    spec = importlib.util.spec_from_file_location("tier_benchmark", ROOT / "benchmark" / "tier_benchmark.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "tier_benchmark", bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
-    return bench
-
-
-def test_tier_benchmark_runs_at_tiny_sizes(redis_server, tmp_path, capsys, monkeypatch):
-    """Keeps benchmark/tier_benchmark.py from rotting (the real run is in docs/kvcache.md)."""
-    bench = _tier_benchmark(monkeypatch)
+def test_tier_benchmark_runs_at_tiny_sizes(redis_server, tmp_path, capsys):
+    """Keeps benchmark/kvcache/tiers.py from rotting (the real run is in docs/kvcache.md)."""
     out = tmp_path / "tiers.json"
     assert bench.main(["--histories", "32", "64", "--repeats", "1", "--redis_url", redis_server,
                        "--workdir", str(tmp_path), "--output", str(out)]) == 0
@@ -510,9 +499,8 @@ def test_tier_benchmark_runs_at_tiny_sizes(redis_server, tmp_path, capsys, monke
     assert not list(redis.Redis.from_url(redis_server).scan_iter("hstu:tier-benchmark-*:u:*"))  # cleaned up
 
 
-def test_tier_benchmark_times_each_codec_against_raw(tmp_path, monkeypatch):
+def test_tier_benchmark_times_each_codec_against_raw(tmp_path):
     """--kv_codecs: every codec a tier of its own, and its reload as a multiple of the raw one's."""
-    bench = _tier_benchmark(monkeypatch)
     out = tmp_path / "tiers.json"
     assert bench.main(["--tiers", "memory", "--histories", "64", "--repeats", "1", "--kv_codecs", "raw", "bf16",
                        "sparse:keep=20", "--workdir", str(tmp_path), "--output", str(out)]) == 0
@@ -525,10 +513,9 @@ def test_tier_benchmark_times_each_codec_against_raw(tmp_path, monkeypatch):
     assert len(result["reload_vs_raw"]) == 2
 
 
-def test_tier_benchmark_with_an_attention_window_stores_and_moves_only_what_the_window_reads(tmp_path, monkeypatch):
+def test_tier_benchmark_with_an_attention_window_stores_and_moves_only_what_the_window_reads(tmp_path):
     """--attention_window: the user's unread pages are released and offloaded as zeros, which
     `zstd-channel` stores as no bytes; a negative window is refused by name."""
-    bench = _tier_benchmark(monkeypatch)
     stored = {}
     for window in (0, 16):
         out = tmp_path / f"tiers-{window}.json"

@@ -1,0 +1,1 @@
+"""What preprocessing costs against just parsing the same logs."""

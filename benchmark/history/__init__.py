@@ -1,0 +1,1 @@
+"""The event stores: how fast they ingest, and live traffic through a router checked against the offline replay."""
