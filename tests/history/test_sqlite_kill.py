@@ -49,7 +49,10 @@ def run_and_kill(path: Path, seed: int, delay_s: float) -> list[int]:
             assert line == f"{expected}\n", f"child said {line!r} instead of {expected!r}: {proc.stderr.read()}"
         time.sleep(delay_s)
         proc.kill()  # SIGKILL
-        rest, _ = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        # Read through the text buffer: readline may already hold later acknowledgements, which
+        # communicate() (reading the raw pipe) would skip.
+        rest = proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
