@@ -94,6 +94,7 @@ def beijing_midnight_ms(date: int) -> int:
 # ---------------------------------------------------------------- actions / tasks
 # Task t is bit t of action_weights; ACTION_COLUMNS[t] is the log column holding it.
 TASKS = ("click", "like", "follow", "comment", "forward", "hate", "long_view", "profile_enter")
+CLICK_BIT = 1 << TASKS.index("click")  # the click bit of action_weights
 ACTION_COLUMNS = (
     "is_click", "is_like", "is_follow", "is_comment",
     "is_forward", "is_hate", "long_view", "is_profile_enter",

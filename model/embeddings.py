@@ -27,6 +27,9 @@ from model.video_side_features import side_feature_sizes
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
+VIDEO_ID_TABLE = "table_video_id"  # the hashed video-id rows in the collection
+
+
 def user_feature_name(j: int) -> str:
     return f"user_feature_{j}"
 

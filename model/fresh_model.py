@@ -12,6 +12,7 @@ import torch
 from data import schema
 from data.dataset import InferenceDataset
 from model.config import config_for_dataset
+from model.embeddings import VIDEO_ID_TABLE
 from model.features import VIDEO_TAG
 from model.recommender import HSTURecommender
 from model.train_params import TrainParams, trained_attention_window
@@ -53,7 +54,7 @@ def initialise(model: HSTURecommender, params: TrainParams) -> None:
         if params.tag_embedding_std is not None and model.config.num_video_tags:
             tables[f"table_{VIDEO_TAG}"].weight.normal_(std=params.tag_embedding_std)
         if params.id_embedding_std is not None:
-            tables["table_video_id"].weight.normal_(std=params.id_embedding_std)
+            tables[VIDEO_ID_TABLE].weight.normal_(std=params.id_embedding_std)
         if params.tied_query_key_init:
             for layer in model.layers:
                 for tensor in (layer.uvqk.weight, layer.uvqk.bias):

@@ -31,13 +31,14 @@ import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 import torch
 
-from data.schema import TASKS
+from data.jagged import row_ids_and_ranks
+from data.schema import CLICK_BIT
 from data.user_histories import UserHistories
+from model.embeddings import VIDEO_ID_TABLE
 
 if TYPE_CHECKING:
     from model.recommender import HSTURecommender
 
-CLICK_BIT = 1 << TASKS.index("click")
 WINDOW = 5  # clicks after an event that count as its neighbours: a visit's worth of recent interest
 RANK = 32
 MIN_CLICKS = 5  # a video clicked fewer times keeps its random start: too few pairs to place it
@@ -54,12 +55,16 @@ class IdRowStart:
     def num_ids(self) -> int:
         return len(self.ids)
 
+    @classmethod
+    def none(cls, hidden_dim: int) -> IdRowStart:
+        return cls(np.zeros(0, np.int64), np.zeros((0, hidden_dim), np.float32))
+
 
 def clicked_videos(histories: UserHistories, hash_size: int, until_ms: int) -> tuple[np.ndarray, np.ndarray]:
     """(row of the user [C], hashed video id [C]) of every clicked event before `until_ms`, in (user, time)
     order."""
     events = histories.event_arrays()
-    users = np.repeat(np.arange(len(events.offsets) - 1), np.diff(events.offsets))  # [E]
+    users, _ = row_ids_and_ranks(np.diff(events.offsets))  # [E]
     keep = (events.timestamps_ms < until_ms) & ((events.action_weights & CLICK_BIT) != 0)
     return users[keep], np.remainder(events.video_ids[keep], hash_size)
 
@@ -83,7 +88,7 @@ def cooccurrence_rows(histories: UserHistories, hash_size: int, until_ms: int, h
     ids, clicks = np.unique(videos, return_counts=True)
     ids = ids[clicks >= min_clicks]
     if len(ids) < rank + 2:
-        return IdRowStart(np.zeros(0, np.int64), np.zeros((0, hidden_dim), np.float32))
+        return IdRowStart.none(hidden_dim)
     frequent = np.isin(videos, ids)
     first, second = click_pairs(users[frequent], videos[frequent], window)
     a, b, n = np.searchsorted(ids, first), np.searchsorted(ids, second), len(ids)
@@ -117,7 +122,7 @@ def start_from_cooccurrence(model: HSTURecommender, histories: UserHistories, un
     (none for a model with one video row, which has no per-video row to start)."""
     config = model.config
     if config.video_hash_size <= 1:
-        return IdRowStart(np.zeros(0, np.int64), np.zeros((0, config.hidden_dim), np.float32))
+        return IdRowStart.none(config.hidden_dim)
     start = cooccurrence_rows(histories, config.video_hash_size, until_ms, config.hidden_dim, seed)
-    start_id_rows(model.embedder.collection.embeddings["table_video_id"], start)
+    start_id_rows(model.embedder.collection.embeddings[VIDEO_ID_TABLE], start)
     return start

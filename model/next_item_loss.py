@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from data.batch import VisitBatch
 from data.jagged import row_ids_and_ranks
-from data.schema import TASKS
+from data.schema import CLICK_BIT
 from model.features import VIDEO_TAG, TokenFeatures
 from model.video_side_features import SIDE_FEATURES
 
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from model.recommender import HSTURecommender
 
 ITEM_FEATURES = ("video_id", VIDEO_TAG, *SIDE_FEATURES)  # what a token embeds of its video
-CLICK_BIT = 1 << TASKS.index("click")  # task t is bit t of action_weights (data/schema.py)
 # The softmax temperature of the cosine scores: 1/τ = 20 lets a cosine margin of ~0.2 reach the
 # probabilities' full range, where τ = 1 would leave every item near uniform.
 TEMPERATURE = 0.05

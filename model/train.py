@@ -34,6 +34,7 @@ from data.schema import TASKS
 from model.attention import BlockedAttention
 from model.checkpoint import save_checkpoint
 from model.config import PRESET_NAMES
+from model.embeddings import VIDEO_ID_TABLE
 from model.evaluation import EarlyStopping, score_requests, window_batch
 from model.fresh_model import fresh_model
 from model.item_cooccurrence import start_from_cooccurrence
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 # The blocked attention while training, with 128 query rows x 128 keys per block: cropped windows are
 # short, and the backward pays for every padded slot of a block, so blocks smaller than serving's pay off.
 TRAINING_ATTENTION = BlockedAttention(query_block=128, key_block=128)
-VIDEO_ID_TABLE = "table_video_id"
 
 
 def _optimizers(model: HSTURecommender, params: TrainParams, extra: nn.Module | None = None,
