@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the device budget of section 3 off CUDA (default: an H100's 80 GB); CUDA uses the GPU's")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: 1 on CPU, where cores shared with other jobs make OpenMP threads "
-                        "wait for one another, 5-10x slower and noisier; torch's choice on CUDA)")
+                        "wait for one another, slower and noisier; torch's choice on CUDA)")
     p.add_argument("--redis_url", default=None, help="an existing Redis (default: start redis-server on loopback)")
     p.add_argument("--workdir", default=None, help="where the disk tier and Redis write (default: a temp dir)")
     p.add_argument("--output_dir", default="artifacts/kv_study")
@@ -107,7 +107,7 @@ def run_study(args: argparse.Namespace, command: str) -> StudyResult:
     elif device.type == "cpu":
         torch.set_num_threads(1)
         notes.append("One torch thread (the CPU default, --threads): on cores shared with other jobs two OpenMP "
-                     "threads wait for each other at every barrier, 5-10x slower and far noisier.")
+                     "threads wait for each other at every barrier, which makes them slower and noisier.")
     codecs = codecs_to_study(args.codecs)
     long_history = args.long_history or (max(args.histories) if device.type == "cuda" else 4096)
     cfg = long_history_config(preset(args.preset, video_hash_size=1024, user_feature_cardinalities=()),

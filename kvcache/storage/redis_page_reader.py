@@ -8,9 +8,9 @@ import redis
 class PageReader:
     """`MGET` whose values land straight in the caller's rows, one copy each.
 
-    redis-py's parser copies every value 3-4 times (socket chunks -> BytesIO -> bytes -> slices):
-    an MGET of 384 KiB pages ran at 0.3-0.6 GB/s here, 3-4x slower than reading the reply with
-    `recv_into` the destination. The connection is redis-py's (URL, AUTH, SELECT, TLS, timeouts),
+    redis-py's parser copies every value several times (socket chunks -> BytesIO -> bytes -> slices),
+    which for large pages costs more than reading the reply with `recv_into` the destination
+    (docs/kvcache-tiers.md). The connection is redis-py's (URL, AUTH, SELECT, TLS, timeouts),
     private to this reader; only its reply is parsed here.
     """
 
